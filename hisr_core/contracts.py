@@ -1,0 +1,163 @@
+"""Data contracts: the pyarrow schema of every artifact passed between stages.
+
+Every Parquet file the pipeline writes or reads goes through :func:`write_table` and
+:func:`read_table`, which check the schema named by the caller. Writes are atomic (a temporary
+file in the same folder, then ``os.replace``), so a crash never leaves a half-written artifact,
+and deterministic (no pandas metadata, fixed writer options), so the same rows give the same bytes.
+A truncated file, a missing, extra or mistyped column raises :class:`ContractError` naming the
+file and the column.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+class ContractError(ValueError):
+    """An artifact does not match its declared schema (or cannot be read at all)."""
+
+
+#: One turn of an expert trajectory (later rollouts extend it with token and entropy fields).
+TURN = pa.struct(
+    [
+        pa.field("observation", pa.string(), nullable=False),
+        pa.field("response", pa.string(), nullable=False),
+        pa.field("action", pa.string(), nullable=False),
+        pa.field("admissible", pa.bool_(), nullable=False),
+    ]
+)
+
+#: Columns describing the task an episode played (shared by every trajectory table).
+_TASK_COLUMNS = [
+    pa.field("task_id", pa.string(), nullable=False),
+    pa.field("env", pa.string(), nullable=False),
+    pa.field("split", pa.string(), nullable=False),
+    pa.field("task_type", pa.string(), nullable=False),
+    pa.field("instruction", pa.string(), nullable=False),
+]
+
+SCHEMAS: dict[str, pa.Schema] = {
+    # One row per task of a split; ``spec`` rebuilds the episode (see hisr_core.envs.Task).
+    "tasks": pa.schema(
+        [
+            *_TASK_COLUMNS,
+            pa.field("seed", pa.int64(), nullable=False),
+            pa.field("spec", pa.string(), nullable=False),
+        ]
+    ),
+    # D_bc: one row per successful expert episode, turns in order.
+    "expert_trajectories": pa.schema(
+        [
+            *_TASK_COLUMNS,
+            pa.field("turns", pa.list_(pa.field("item", TURN, nullable=False)), nullable=False),
+            pa.field("n_turns", pa.int32(), nullable=False),
+            pa.field("won", pa.bool_(), nullable=False),
+            pa.field("score", pa.float64(), nullable=False),
+            pa.field("final_observation", pa.string(), nullable=False),
+        ]
+    ),
+}
+
+
+def schema(name: str) -> pa.Schema:
+    try:
+        return SCHEMAS[name]
+    except KeyError:
+        raise KeyError(f"no data contract named {name!r}; known: {sorted(SCHEMAS)}") from None
+
+
+def check_schema(actual: pa.Schema, name: str, source: str | Path) -> None:
+    """Raise :class:`ContractError` unless ``actual`` has exactly the columns of contract ``name``."""
+    expected = schema(name)
+    problems = []
+    for field in expected:
+        idx = actual.get_field_index(field.name)
+        if idx < 0:
+            problems.append(f"missing column {field.name!r} (expected {field.type})")
+        elif not actual.field(idx).type.equals(field.type, check_metadata=False):
+            problems.append(
+                f"column {field.name!r} has type {actual.field(idx).type}, expected {field.type}"
+            )
+    for field in actual:
+        if expected.get_field_index(field.name) < 0:
+            problems.append(f"unexpected column {field.name!r}")
+    if problems:
+        raise ContractError(f"{source}: does not match contract {name!r}: " + "; ".join(problems))
+
+
+def to_table(rows: Iterable[Mapping[str, Any]], name: str, source: str = "rows") -> pa.Table:
+    """Rows (dicts) → a table of contract ``name``; a missing or mistyped value names the column."""
+    sch = schema(name)
+    rows = list(rows)
+    for i, row in enumerate(rows):
+        for field in sch:
+            if field.name not in row:
+                raise ContractError(f"{source}: row {i} lacks column {field.name!r}")
+            if row[field.name] is None and not field.nullable:
+                raise ContractError(f"{source}: row {i}, column {field.name!r} is null")
+    try:
+        return pa.Table.from_pylist(rows, schema=sch)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as err:
+        for field in sch:
+            try:
+                pa.array([row[field.name] for row in rows], type=field.type)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as col_err:
+                raise ContractError(
+                    f"{source}: column {field.name!r}: values do not fit {field.type} ({col_err})"
+                ) from err
+        raise ContractError(f"{source}: rows do not fit contract {name!r}: {err}") from err
+
+
+def write_table(table: pa.Table, path: str | Path, name: str) -> Path:
+    """Check ``table`` against contract ``name`` and write it to ``path`` atomically."""
+    path = Path(path)
+    check_schema(table.schema, name, path)
+    null_cols = [f.name for f in schema(name) if not f.nullable and table.column(f.name).null_count]
+    if null_cols:
+        raise ContractError(f"{path}: null values in non-nullable column {null_cols[0]!r}")
+    # Cast so nullability and field order are the contract's, whatever built the table.
+    table = table.select(schema(name).names).cast(schema(name))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(
+            table.replace_schema_metadata(None),
+            tmp,
+            compression="zstd",
+            write_statistics=True,
+            store_schema=True,
+        )
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_rows(rows: Iterable[Mapping[str, Any]], path: str | Path, name: str) -> Path:
+    return write_table(to_table(rows, name, str(path)), path, name)
+
+
+def read_table(path: str | Path, name: str) -> pa.Table:
+    """Read ``path`` and check it against contract ``name``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ContractError(f"{path}: no such file (expected a {name!r} table)")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise ContractError(f"{path}: not a readable Parquet file ({err})") from None
+    check_schema(table.schema, name, path)
+    return table.select(schema(name).names)
+
+
+def read_rows(path: str | Path, name: str) -> list[dict[str, Any]]:
+    return read_table(path, name).to_pylist()

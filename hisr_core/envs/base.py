@@ -1,0 +1,203 @@
+"""The environment protocol every benchmark implements, and the registry that finds them.
+
+An environment is two things:
+
+* an :class:`Environment` (one per benchmark and configuration) that lists the tasks of a
+  split, and starts an episode for a task;
+* an :class:`Episode` (one per play of a task) that is reset once and stepped with text
+  actions until it is done.
+
+Tasks are plain data (:class:`Task`) so they can be stored in Parquet and sent to worker
+processes; an episode can always be rebuilt from its task and the environment's options.
+Adding a benchmark means one module with an ``Environment`` subclass decorated with
+:func:`register`, and an import line in ``hisr_core/envs/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+NOTHING_HAPPENS = "Nothing happens."
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Task:
+    """One task of a benchmark split.
+
+    Attributes:
+        task_id: unique across every split of the environment, e.g. ``household/train/00017``.
+        env: registry name of the environment that plays it.
+        split: ``train``, ``valid_seen``, ``valid_unseen`` (or the benchmark's own names).
+        task_type: one of the environment's ``task_types`` (ALFWorld's PICK, CLEAN, ...).
+        instruction: the goal in words, e.g. ``put a clean apple in fridge``.
+        seed: the seed the task was generated or sampled with.
+        spec: environment-specific JSON text that is enough to rebuild the episode
+            (a generated room for household, a game file for ALFWorld).
+    """
+
+    task_id: str
+    env: str
+    split: str
+    task_type: str
+    instruction: str
+    seed: int
+    spec: str
+
+    def to_row(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Task:
+        return cls(**{f.name: row[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one ``Episode.step`` returns.
+
+    Attributes:
+        observation: the environment's answer (``Nothing happens.`` for an inadmissible action).
+        admissible: whether the action was in the admissible list when it was issued.
+        done: the episode is over (won, or the turn limit is reached).
+        won: the goal holds.
+        score: the outcome in [0, 1] (1.0 when won; partial credit where the benchmark has it).
+    """
+
+    observation: str
+    admissible: bool
+    done: bool
+    won: bool
+    score: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Turn:
+    """One turn k: the observation ``o_k`` the agent saw, its response ``a_k`` and the action.
+
+    ``o_1`` is what ``reset`` returned; ``o_k`` (k > 1) is what step k - 1 returned.
+    """
+
+    observation: str
+    response: str
+    action: str
+    admissible: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExpertEpisode:
+    """An expert's play of one task: its turns, the outcome and the last observation."""
+
+    task: Task
+    turns: tuple[Turn, ...]
+    won: bool
+    score: float
+    final_observation: str
+
+
+class Episode(abc.ABC):
+    """One play of one task. Not thread-safe; one episode per worker at a time."""
+
+    task: Task
+    max_turns: int
+
+    @abc.abstractmethod
+    def reset(self) -> str:
+        """Start (or restart) the episode; returns the first observation."""
+
+    @abc.abstractmethod
+    def step(self, action: str) -> StepResult:
+        """Apply one text action. Raises ``RuntimeError`` if called after the episode is done."""
+
+    @abc.abstractmethod
+    def admissible_commands(self) -> list[str]:
+        """The commands that would do something now, in a stable order."""
+
+    @property
+    @abc.abstractmethod
+    def turns(self) -> int:
+        """Steps taken since reset."""
+
+    @property
+    @abc.abstractmethod
+    def won(self) -> bool: ...
+
+    @property
+    @abc.abstractmethod
+    def score(self) -> float: ...
+
+    @property
+    def done(self) -> bool:
+        return self.won or self.turns >= self.max_turns
+
+
+class Environment(abc.ABC):
+    """A benchmark: its task types, its splits, its command grammar, and episodes.
+
+    Class attributes every implementation sets:
+        name: registry key (``household``, ``alfworld``, ...).
+        task_types: the task types in report order.
+        splits: the split names it knows.
+        state_changing_verbs: first words of commands that change the world; the ``rule``
+            segmenter puts a segment boundary after a turn whose action starts with one.
+        command_grammar: the command templates shown to the agent in its system prompt.
+    """
+
+    name: ClassVar[str]
+    task_types: ClassVar[tuple[str, ...]]
+    splits: ClassVar[tuple[str, ...]]
+    state_changing_verbs: ClassVar[tuple[str, ...]]
+    command_grammar: ClassVar[tuple[str, ...]]
+
+    def __init__(self, max_turns: int, **options: Any) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        self.max_turns = max_turns
+        self.options = options
+
+    @abc.abstractmethod
+    def make_tasks(self, split: str, n: int, seed: int) -> list[Task]:
+        """``n`` tasks of ``split``, deterministic given ``seed`` (fewer if the split is finite)."""
+
+    @abc.abstractmethod
+    def start(self, task: Task) -> Episode:
+        """A fresh episode for ``task`` (call ``reset`` on it before stepping)."""
+
+    def expert_play(self, task: Task) -> ExpertEpisode:
+        """Play ``task`` with the benchmark's expert; raises if the benchmark has none."""
+        raise NotImplementedError(f"environment {self.name!r} has no expert")
+
+    def check_split(self, split: str) -> None:
+        if split not in self.splits:
+            raise ValueError(
+                f"environment {self.name!r} has no split {split!r}; known: {list(self.splits)}"
+            )
+
+
+_REGISTRY: dict[str, type[Environment]] = {}
+
+
+def register(cls: type[Environment]) -> type[Environment]:
+    """Class decorator adding an environment to the registry under ``cls.name``."""
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"environment name {cls.name!r} is registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registered() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def environment_class(name: str) -> type[Environment]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown environment {name!r}; registered: {registered()}") from None
+
+
+def make_environment(name: str, max_turns: int, **options: Any) -> Environment:
+    return environment_class(name)(max_turns=max_turns, **options)
+

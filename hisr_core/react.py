@@ -1,0 +1,27 @@
+"""ReAct responses: ``"Thought: <text>\nAction: <command>"``.
+
+Every policy, expert and parser in the project agrees on this format; the action is the text
+after the last ``Action:`` up to the end of its line.
+"""
+
+from __future__ import annotations
+
+import re
+
+_ACTION = re.compile(r"(?:^|\n)\s*Action:[ \t]*([^\n]*)")
+
+
+def format_response(thought: str, action: str) -> str:
+    """The response text for one turn; neither part may contain a newline."""
+    if "\n" in thought or "\n" in action:
+        raise ValueError("thought and action must be single lines")
+    return f"Thought: {thought}\nAction: {action}"
+
+
+def parse_action(response: str) -> str | None:
+    """The action of a response, lower-cased and whitespace-normalised; None if there is none."""
+    matches = _ACTION.findall(response)
+    if not matches:
+        return None
+    action = " ".join(matches[-1].split()).lower()
+    return action or None

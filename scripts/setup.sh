@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv and install the project with the exact torch build first, so that nothing
+# later pulls a different (multi-GB CUDA) torch. Extra pip extras: EXTRAS=gpu,alfworld.
+# TORCH_SPEC picks the build (default torch==2.13.0; PyPI's Linux wheel is the CUDA one);
+# TORCH_INDEX, if set, is the index to take it from (e.g. PyTorch's CPU-only index).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3.11}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+EXTRAS=${EXTRAS:+,$EXTRAS}
+
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade "pip>=24"
+.venv/bin/python -m pip install --quiet "$TORCH_SPEC" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
+# constraints.txt pins every transitive dependency to the versions CI was run with;
+# the installed torch is pinned too, so no requirement can swap it.
+torch_pin="torch==$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')"
+.venv/bin/python -m pip install --quiet -c constraints.txt -c <(echo "$torch_pin") -e ".[dev$EXTRAS]"
+.venv/bin/python -m pip check

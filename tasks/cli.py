@@ -1,0 +1,31 @@
+"""Command-line plumbing shared by the stage flows: parse, validate params, fail early."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from hisr_core.config import Params, ParamsError, load_params
+
+
+def stage_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"),
+                        help="parameters file (default: params.yaml)")
+    parser.add_argument("--data", type=Path, default=Path("data"),
+                        help="data folder the stage reads and writes (default: data)")
+    return parser
+
+
+def load_or_exit(path: Path, check: Callable[[Params], None] | None = None) -> Params:
+    """Validated params, or a one-message exit with status 2 before any work is done."""
+    try:
+        params = load_params(path)
+        if check is not None:
+            check(params)
+    except (ParamsError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return params

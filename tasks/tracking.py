@@ -1,0 +1,90 @@
+"""MLflow and DVC metrics plumbing shared by every stage."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from hisr_core.config import Params
+
+
+def _resolve_uri(uri: str) -> str:
+    """Make a relative sqlite or file URI absolute (against the working directory)."""
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        db = Path(uri.removeprefix("sqlite:///")).resolve()
+        db.parent.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{db}"
+    if "://" not in uri:
+        return Path(uri).resolve().as_uri()
+    return uri
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` → ``{"a.b": 1}`` (MLflow params and DVC-style keys)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+@contextlib.contextmanager
+def stage_run(params: Params, stage: str, sections: Mapping[str, Any]) -> Iterator[Any]:
+    """An MLflow run named ``stage`` with ``sections`` logged as params.
+
+    The experiment's artifacts live beside a local tracking database (``.../artifacts``).
+    A pipeline run sets ``HISR_PARENT_RUN_ID`` so every stage nests under it.
+    """
+    import mlflow
+
+    uri = _resolve_uri(params.tracking.mlflow_uri)
+    mlflow.set_tracking_uri(uri)
+    experiment = mlflow.get_experiment_by_name(params.tracking.experiment)
+    if experiment is None:
+        artifacts = None
+        if uri.startswith("sqlite:///"):
+            artifacts = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").as_uri()
+        mlflow.create_experiment(params.tracking.experiment, artifact_location=artifacts)
+    mlflow.set_experiment(params.tracking.experiment)
+    parent = os.environ.get("HISR_PARENT_RUN_ID")
+    tags = {"hisr.stage": stage, **({"mlflow.parentRunId": parent} if parent else {})}
+    with mlflow.start_run(run_name=stage, tags=tags) as run:
+        mlflow.log_params({k: json.dumps(v) if not isinstance(v, str) else v
+                           for k, v in flatten(sections).items()})
+        yield run
+
+
+def write_json(data: Mapping[str, Any], path: str | Path) -> Path:
+    """Write JSON atomically (DVC metrics files, reports)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def log_metrics(metrics: Mapping[str, Any], path: str | Path | None = None) -> None:
+    """Log numeric metrics (nested keys joined by ``/``) to the active run; write ``path`` too."""
+    import mlflow
+
+    flat = {k.replace(".", "/"): float(v) for k, v in flatten(metrics).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    mlflow.log_metrics(flat)
+    if path is not None:
+        write_json(metrics, path)
+        mlflow.log_artifact(str(path))
