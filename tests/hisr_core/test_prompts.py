@@ -1,0 +1,141 @@
+"""Prompt building: masks come from pieces, and decode to exactly the responses."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from hisr_core.models import train_tokenizer
+from hisr_core.prompts import PromptBuilder, system_text
+
+TURNS = [
+    ("You are in the middle of a room.\n\nYour task is to: put a mug in shelf.",
+     "Thought: I need a mug; mugs are usually in cabinets.\nAction: go to cabinet 1"),
+    ("You arrive at cabinet 1. The cabinet 1 is closed.",
+     "Thought: It is closed.\nAction: open cabinet 1"),
+    ("You open the cabinet 1. In it, you see a mug 1.",
+     "Thought: Found one.\nAction: take mug 1 from cabinet 1"),
+    ("You pick up the mug 1 from the cabinet 1.", "Thought: Now the shelf.\nAction: go to shelf 1"),
+    ("You arrive at shelf 1. On the shelf 1, you see nothing.",
+     "Thought: Put it here.\nAction: put mug 1 in/on shelf 1"),
+]
+SYSTEM = system_text("put a mug in shelf", ["go to {recep}", "take {obj} from {recep}"])
+CORPUS = [SYSTEM] + [o for o, _ in TURNS] + [r for _, r in TURNS]
+
+QWEN_LIKE_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def builtin_tokenizer():
+    return train_tokenizer(CORPUS * 3, vocab_size=400)
+
+
+def chat_tokenizer():
+    """A tokenizer with a chat template, built offline (no hub)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS * 3, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = QWEN_LIKE_TEMPLATE
+    return fast
+
+
+def plain_eos_tokenizer():
+    """Like GPT-2: no chat template, role markers are ordinary text, EOS ends a turn."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS * 3, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+TOKENIZERS = {"builtin": builtin_tokenizer, "chat_template": chat_tokenizer,
+              "plain_eos": plain_eos_tokenizer}
+
+
+def masked_text(tokenizer, enc):
+    ids = [t for t, m in zip(enc.input_ids, enc.response_mask, strict=True) if m]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_masked_tokens_decode_exactly_to_responses(name):
+    tok = TOKENIZERS[name]()
+    enc = PromptBuilder(tok).encode(SYSTEM, TURNS)
+    assert masked_text(tok, enc) == "".join(r for _, r in TURNS)
+    assert len(enc.input_ids) == len(enc.response_mask) == len(enc.turn_ids)
+    # Unmasked tokens hold every observation and the system text.
+    unmasked = tok.decode([t for t, m in zip(enc.input_ids, enc.response_mask) if not m],
+                          skip_special_tokens=True)
+    for obs, _ in TURNS:
+        assert obs in unmasked
+    assert SYSTEM in unmasked
+
+
+def test_chat_template_pieces_match_template_rendering():
+    tok = chat_tokenizer()
+    enc = PromptBuilder(tok).encode(SYSTEM, TURNS)
+    msgs = [{"role": "system", "content": SYSTEM}]
+    for o, r in TURNS:
+        msgs += [{"role": "user", "content": o}, {"role": "assistant", "content": r}]
+    rendered = tok.apply_chat_template(msgs, tokenize=False)
+    assert tok.decode(enc.input_ids, skip_special_tokens=False) == rendered
+    # The end-of-turn marker is learned, so generation knows when to stop.
+    builder = PromptBuilder(tok)
+    assert builder.stop_ids == [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_generation_prompt_ends_with_assistant_header_and_window():
+    tok = builtin_tokenizer()
+    builder = PromptBuilder(tok, history=2)
+    enc = builder.prompt(SYSTEM, TURNS[:4], "You arrive at shelf 1.")
+    assert enc.turns == (2, 3, 4)
+    assert enc.input_ids[-len(builder.assistant_prefix):] == builder.assistant_prefix
+    assert sum(enc.response_mask) == 0
+    text = tok.decode(enc.input_ids, skip_special_tokens=True)
+    assert TURNS[1][1] not in text and TURNS[2][1] in text and TURNS[3][1] in text
+
+
+def test_max_tokens_drops_whole_old_turns_never_half_a_response():
+    tok = builtin_tokenizer()
+    full = PromptBuilder(tok).prompt(SYSTEM, TURNS, "next")
+    builder = PromptBuilder(tok, max_tokens=len(full.input_ids) - 5)
+    enc = builder.prompt(SYSTEM, TURNS, "next")
+    assert len(enc.input_ids) <= builder.max_tokens and enc.turns[0] > 0
+    text = tok.decode(enc.input_ids, skip_special_tokens=True)
+    for k, (_, r) in enumerate(TURNS):
+        assert (r in text) == (k in enc.turns)
+
+
+def test_training_sequences_match_inference_windows():
+    tok = builtin_tokenizer()
+    builder = PromptBuilder(tok, history=2)
+    seqs = builder.training_sequences(SYSTEM, TURNS)
+    # Every response is trained exactly once.
+    assert "".join(masked_text(tok, s) for s in seqs) == "".join(r for _, r in TURNS)
+    assert [s.turns for s in seqs] == [(0, 1, 2), (1, 2, 3), (2, 3, 4)]
+    # The context of the last trained turn equals the generation prompt at that turn.
+    last = seqs[-1]
+    prompt = builder.prompt(SYSTEM, TURNS[:4], TURNS[4][0])
+    assert last.input_ids[: len(prompt.input_ids)] == prompt.input_ids
+
+
+def test_training_sequences_all_history_is_one_sequence():
+    tok = builtin_tokenizer()
+    seqs = PromptBuilder(tok).training_sequences(SYSTEM, TURNS)
+    assert len(seqs) == 1 and seqs[0].turns == tuple(range(len(TURNS)))
+
+
+def test_too_long_single_turn_is_an_error():
+    with pytest.raises(ValueError, match="max_tokens"):
+        PromptBuilder(builtin_tokenizer(), max_tokens=10).training_sequences(SYSTEM, TURNS)
