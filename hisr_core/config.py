@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -62,6 +62,104 @@ class ExpertParams(Section):
         }
 
 
+class LoraParams(Section):
+    """Optional LoRA adapters (peft) instead of full fine-tuning."""
+
+    enabled: bool = False
+    """Train LoRA adapters only; the base weights stay frozen."""
+
+    r: int = Field(8, ge=1, le=1024)
+    """LoRA rank."""
+
+    alpha: int = Field(16, ge=1)
+    """LoRA scaling numerator (scale = alpha / r)."""
+
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    """Dropout on the LoRA input."""
+
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+    """Names of the linear modules that get adapters."""
+
+
+class ModelParams(Section):
+    """The policy model and how episodes are put into its context."""
+
+    name_or_path: str = Field("builtin:small", min_length=1)
+    """A Hugging Face causal LM (local folder or hub id) or ``builtin:tiny|small|base``."""
+
+    history: int | None = Field(None, ge=0)
+    """Turns of history kept in context besides the task (``null``: all that fit)."""
+
+    max_tokens: int = Field(2048, ge=64)
+    """Longest prompt or training sequence; whole old turns are dropped beyond it."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights dtype for training and inference; ``auto``: bfloat16 on a GPU that supports it."""
+
+    lora: LoraParams = Field(default_factory=LoraParams)
+    """LoRA adapters (off by default)."""
+
+
+class SftParams(Section):
+    """The ``sft`` stage: behaviour cloning of ``D_bc`` (NLL of response tokens only)."""
+
+    seed: int = Field(0, ge=0)
+    """Seed of model creation, data order and dropout."""
+
+    epochs: float = Field(2.0, gt=0)
+    """Passes over ``D_bc`` (fractions allowed)."""
+
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many optimizer steps (``null``: run all epochs)."""
+
+    lr: float = Field(1e-3, gt=0, le=1.0)
+    """Peak learning rate of AdamW."""
+
+    warmup_ratio: float = Field(0.05, ge=0.0, lt=1.0)
+    """Fraction of steps with linear warm-up before the cosine decay."""
+
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """Learning rate at the end of the cosine, as a fraction of ``lr``."""
+
+    weight_decay: float = Field(0.01, ge=0.0)
+    """AdamW weight decay (not applied to biases and norms)."""
+
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per forward pass and process."""
+
+    grad_accum: int = Field(1, ge=1)
+    """Micro-batches per optimizer step."""
+
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping norm."""
+
+    backend: Literal["auto", "torch", "deepspeed"] = "auto"
+    """Training backend; ``auto``: DeepSpeed when a GPU is present, plain torch otherwise."""
+
+    zero_stage: int = Field(2, ge=0, le=3)
+    """DeepSpeed ZeRO stage (with ``backend: deepspeed``)."""
+
+    log_every: int = Field(10, ge=1)
+    """Optimizer steps between logged losses."""
+
+
+class EvaluateParams(Section):
+    """The ``evaluate`` flow: greedy episodes on held-out splits."""
+
+    splits: list[str] = Field(default_factory=lambda: ["valid_seen", "valid_unseen"], min_length=1)
+    """Splits to play (task lists written by the ``expert`` stage)."""
+
+    n_tasks: int | None = Field(None, ge=1)
+    """Play only the first ``n_tasks`` of each split (``null``: all)."""
+
+    batch_size: int = Field(32, ge=1)
+    """Episodes played in lockstep (one batched generation call per turn)."""
+
+    max_new_tokens: int = Field(96, ge=1)
+    """Longest response of one turn, in tokens."""
+
+
 class TrackingParams(Section):
     """Where MLflow records runs."""
 
@@ -87,6 +185,15 @@ class Params(Section):
 
     expert: ExpertParams = Field(default_factory=ExpertParams)
     """Expert task generation and ``D_bc``."""
+
+    model: ModelParams = Field(default_factory=ModelParams)
+    """The policy model and its context window."""
+
+    sft: SftParams = Field(default_factory=SftParams)
+    """Behaviour cloning."""
+
+    evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
+    """Evaluation."""
 
     tracking: TrackingParams = Field(default_factory=TrackingParams)
     """MLflow tracking."""

@@ -1,0 +1,33 @@
+"""Environments: the protocol (:mod:`hisr_core.envs.base`) and the registered benchmarks.
+
+Importing this package registers every built-in environment.
+"""
+
+from hisr_core.envs import household  # noqa: F401  (registers "household")
+from hisr_core.envs.base import (
+    NOTHING_HAPPENS,
+    Environment,
+    Episode,
+    ExpertEpisode,
+    StepResult,
+    Task,
+    Turn,
+    environment_class,
+    make_environment,
+    register,
+    registered,
+)
+
+__all__ = [
+    "NOTHING_HAPPENS",
+    "Environment",
+    "Episode",
+    "ExpertEpisode",
+    "StepResult",
+    "Task",
+    "Turn",
+    "environment_class",
+    "make_environment",
+    "register",
+    "registered",
+]
