@@ -14,8 +14,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade "pip>=24"
 .venv/bin/python -m pip install --quiet "$TORCH_SPEC" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
+torch_pin="torch==$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')"
+# DeepSpeed (dev and gpu extras) builds from source against the installed torch; without build
+# isolation its build cannot fetch a second torch.
+.venv/bin/python -m pip install --quiet "setuptools>=77" wheel
+.venv/bin/python -m pip install --quiet --no-build-isolation -c constraints.txt -c <(echo "$torch_pin") deepspeed
 # constraints.txt pins every transitive dependency to the versions CI was run with;
 # the installed torch is pinned too, so no requirement can swap it.
-torch_pin="torch==$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')"
 .venv/bin/python -m pip install --quiet -c constraints.txt -c <(echo "$torch_pin") -e ".[dev$EXTRAS]"
 .venv/bin/python -m pip check
