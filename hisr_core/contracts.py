@@ -34,6 +34,17 @@ TURN = pa.struct(
     ]
 )
 
+#: One turn of a policy's episode: the expert fields plus what the rollout engine measures.
+EPISODE_TURN = pa.struct(
+    [
+        *TURN,
+        pa.field("parsed", pa.bool_(), nullable=False),
+        pa.field("prompt_tokens", pa.int32(), nullable=False),
+        pa.field("response_tokens", pa.int32(), nullable=False),
+        pa.field("entropy", pa.float32(), nullable=False),
+    ]
+)
+
 #: Columns describing the task an episode played (shared by every trajectory table).
 _TASK_COLUMNS = [
     pa.field("task_id", pa.string(), nullable=False),
@@ -57,6 +68,20 @@ SCHEMAS: dict[str, pa.Schema] = {
         [
             *_TASK_COLUMNS,
             pa.field("turns", pa.list_(pa.field("item", TURN, nullable=False)), nullable=False),
+            pa.field("n_turns", pa.int32(), nullable=False),
+            pa.field("won", pa.bool_(), nullable=False),
+            pa.field("score", pa.float64(), nullable=False),
+            pa.field("final_observation", pa.string(), nullable=False),
+        ]
+    ),
+    # A policy's episodes (evaluation; later the N rollouts D_ct): one row per episode.
+    "episodes": pa.schema(
+        [
+            *_TASK_COLUMNS,
+            pa.field("sample", pa.int32(), nullable=False),
+            pa.field("policy", pa.string(), nullable=False),
+            pa.field("turns", pa.list_(pa.field("item", EPISODE_TURN, nullable=False)),
+                     nullable=False),
             pa.field("n_turns", pa.int32(), nullable=False),
             pa.field("won", pa.bool_(), nullable=False),
             pa.field("score", pa.float64(), nullable=False),
