@@ -9,21 +9,14 @@ saved with ``save_pretrained`` so every later stage loads it like any Hugging Fa
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-)
+if TYPE_CHECKING:  # the heavy imports wait until a model is built or loaded (fast CLI checks)
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -69,24 +62,27 @@ def builtin_size(name_or_path: str) -> BuiltinSize:
 
 
 def check_model_source(name_or_path: str) -> None:
-    """Fail early (before any work) if a model source cannot be used.
-
-    A path that looks local (absolute, ``./``, ``../``, or an existing parent folder) must be a
-    folder with a ``config.json``; anything else is taken as a hub id, which needs the hub
-    (offline runs have it only if it is in the local cache).
-    """
+    """Fail early (before any work) with a message naming ``model.name_or_path`` if it cannot
+    be loaded: a builtin size that does not exist, a local path that is not a saved model
+    folder, or a hub id that is not in the local cache while hub downloads are off."""
     if is_builtin(name_or_path):
         builtin_size(name_or_path)
         return
-    path = Path(name_or_path)
-    looks_local = path.is_absolute() or name_or_path.startswith((".", "~")) or path.exists() \
-        or (len(path.parts) > 2)
-    if looks_local:
-        if not path.expanduser().is_dir():
-            raise ValueError(f"model.name_or_path {name_or_path!r}: no such folder")
-        if not (path.expanduser() / "config.json").is_file():
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
             raise ValueError(f"model.name_or_path {name_or_path!r}: folder has no config.json "
                              "(not a saved Hugging Face model)")
+        return
+    hub_id = len(Path(name_or_path).parts) <= 2 and not name_or_path.startswith((".", "/", "~"))
+    if not hub_id:
+        raise ValueError(f"model.name_or_path {name_or_path!r}: no such folder")
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+            raise ValueError(f"model.name_or_path {name_or_path!r}: no such folder, and not in "
+                             "the local Hugging Face cache (hub downloads are off: HF_HUB_OFFLINE)")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -95,6 +91,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
 
     Byte-level pieces make decoding exact: any text round-trips, even words never seen.
     """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -115,6 +113,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
 
 def build_builtin(name: str, texts: Iterable[str], seed: int, out_dir: Path) -> Path:
     """Create ``builtin:<size>`` with a tokenizer trained on ``texts``; save it to ``out_dir``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     size = builtin_size(name)
     tokenizer = train_tokenizer(texts, size.vocab_size)
     config = LlamaConfig(
@@ -140,6 +141,7 @@ def build_builtin(name: str, texts: Iterable[str], seed: int, out_dir: Path) -> 
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if tokenizer.pad_token is None:
         # Decoder-only models often ship without a pad token; padding is masked anyway.
@@ -148,8 +150,11 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, **kwargs: Any) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kwargs)
+def load_model(path: str | Path, dtype: torch.dtype | None = None, **kwargs: Any) -> PreTrainedModel:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32, **kwargs)
 
 
 def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:

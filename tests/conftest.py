@@ -1,10 +1,14 @@
-"""Shared fixtures: isolated Prefect home and a small params file per test."""
+"""Shared fixtures: one real Prefect API server and one MLflow store for the test session."""
 
 from __future__ import annotations
 
 import os
+import re
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -13,20 +17,73 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("PREFECT_", "MLFLOW_", "HISR_"))}
+
+
 @pytest.fixture(scope="session")
-def prefect_home(tmp_path_factory) -> Path:
-    """One Prefect home (ephemeral API database) for the whole test session."""
-    return tmp_path_factory.mktemp("prefect_home")
+def prefect_api(tmp_path_factory):
+    """A real ``prefect server`` on 127.0.0.1 for the session (flows then start in seconds
+    instead of each starting its own temporary server); stopped at the end."""
+    home = tmp_path_factory.mktemp("prefect_home")
+    port = _free_port()
+    env = _clean_env()
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               DO_NOT_TRACK="true", PREFECT_UI_ENABLED="false")
+    log = (home / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+         "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("prefect server did not start:\n"
+                                   + (home / "server.log").read_text()[-2000:])
+            time.sleep(0.5)
+        yield {"PREFECT_HOME": str(home), "PREFECT_API_URL": url}
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory) -> str:
+    """One MLflow sqlite store for the session (its schema migration runs once)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
 
 
 @pytest.fixture
-def run_module(prefect_home, tmp_path):
-    """Run ``python -m <module> <args>`` from the project root, isolated from the user's setup."""
+def experiment(request) -> str:
+    """An MLflow experiment name unique to the test."""
+    return "t-" + re.sub(r"[^\w-]", "_", request.node.name)[:60] + f"-{time.monotonic_ns()}"
 
-    def run(module: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("PREFECT_", "MLFLOW_", "HISR_"))}
-        env.update(PREFECT_HOME=str(prefect_home), PYTHONPATH=str(ROOT))
+
+@pytest.fixture
+def run_module(prefect_api):
+    """Run ``python -m <module> <args>`` from the project root against the session's servers."""
+
+    def run(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        env = _clean_env()
+        env.update(prefect_api, PYTHONPATH=str(ROOT))
         return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=timeout)
 
@@ -34,22 +91,18 @@ def run_module(prefect_home, tmp_path):
 
 
 @pytest.fixture
-def write_params(tmp_path):
-    """Write a params file: small defaults, tracking inside tmp_path, overrides merged in."""
+def write_params(tmp_path, mlflow_uri, experiment):
+    """Write a params file: small defaults, the session's MLflow store, overrides merged in."""
 
-    def write(overrides: dict | None = None, raw: str | None = None) -> Path:
-        path = tmp_path / "params.yaml"
-        if raw is not None:
-            path.write_text(raw)
-            return path
+    def write(overrides: dict | None = None) -> Path:
         params = {
             "env": {"name": "household", "max_turns": 40},
             "expert": {"seed": 0, "n_train": 24, "n_valid_seen": 12, "n_valid_unseen": 12},
-            "tracking": {"mlflow_uri": f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}",
-                         "experiment": "test"},
+            "tracking": {"mlflow_uri": mlflow_uri, "experiment": experiment},
         }
         for section, values in (overrides or {}).items():
             params.setdefault(section, {}).update(values)
+        path = tmp_path / "params.yaml"
         path.write_text(yaml.safe_dump(params))
         return path
 

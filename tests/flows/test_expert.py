@@ -12,7 +12,8 @@ from tasks.expert import expert_play, make_tasks
 
 
 @pytest.mark.slow
-def test_expert_flow_writes_contracted_outputs_and_mlflow_run(run_module, write_params, tmp_path):
+def test_expert_flow_writes_contracted_outputs_and_mlflow_run(run_module, write_params, tmp_path,
+                                                             mlflow_uri, experiment):
     data = tmp_path / "data"
     proc = run_module("flows.expert", "--params", str(write_params()), "--data", str(data))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -27,8 +28,8 @@ def test_expert_flow_writes_contracted_outputs_and_mlflow_run(run_module, write_
 
     import mlflow
 
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}")
-    runs = mlflow.search_runs(experiment_names=["test"], output_format="list")
+    mlflow.set_tracking_uri(mlflow_uri)
+    runs = mlflow.search_runs(experiment_names=[experiment], output_format="list")
     assert [r.info.run_name for r in runs] == ["expert"]
     assert runs[0].data.metrics["expert/train/success_rate"] == 1.0
     assert runs[0].data.params["expert.n_train"] == "24"
@@ -46,12 +47,16 @@ BAD_PARAMS = [
 
 @pytest.mark.parametrize(("overrides", "message"), BAD_PARAMS)
 def test_bad_params_exit_nonzero_naming_key_and_write_nothing(
-        run_module, write_params, tmp_path, overrides, message):
+        run_module, write_params, tmp_path, overrides, message, mlflow_uri, experiment):
     data = tmp_path / "data"
     proc = run_module("flows.expert", "--params", str(write_params(overrides)), "--data", str(data))
     assert proc.returncode == 2
     assert message in proc.stderr
-    assert not data.exists() and not (tmp_path / "mlflow").exists()
+    assert not data.exists()
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_uri)
+    assert mlflow.get_experiment_by_name(experiment) is None, "no MLflow run may be started"
 
 
 def test_missing_params_file(run_module, tmp_path):

@@ -1,0 +1,73 @@
+"""``sft`` stage: behaviour cloning of the expert trajectories ``D_bc`` into ``pi_ref``.
+
+    python -m flows.sft [--params params.yaml] [--data data]
+
+Reads ``<data>/expert/d_bc.parquet``; writes the reference policy ``<data>/sft/pi_ref`` (a plain
+Hugging Face model folder), ``<data>/sft/metrics.json`` and the loss curve
+``<data>/sft/loss.csv``; logs params, per-step loss, tokens/s and the model to MLflow.
+
+Several processes (``torchrun --nproc_per_node N -m flows.sft`` or the ``deepspeed`` launcher):
+rank 0 runs the Prefect flow and logs; the other ranks run the same training steps directly.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from prefect import flow
+
+from tasks.cli import load_or_exit, stage_parser
+from tasks.expert import check_env
+from tasks.models import check_model_source
+from tasks.tracking import log_metrics, stage_run
+
+
+def _check(params) -> None:
+    check_env(params.env)
+    check_model_source(params.model.name_or_path)
+
+
+@flow(name="sft", log_prints=True)
+def sft_flow(params_path: Path = Path("params.yaml"), data: Path = Path("data")) -> dict:
+    from tasks.sft import prepare_base, train
+
+    params = load_or_exit(params_path, _check)
+    d_bc, out = data / "expert" / "d_bc.parquet", data / "sft"
+    sections = {"env": params.env.model_dump(), "model": params.model.model_dump(),
+                "sft": params.sft.model_dump()}
+    with stage_run(params, "sft", sections) as run, tempfile.TemporaryDirectory() as work:
+        base = prepare_base(params, d_bc, Path(work) / "base")
+        stats = train(params, base, d_bc, out / "pi_ref", out / "loss.csv", run.info.run_id)
+        log_metrics({"sft": stats}, out / "metrics.json")
+        import mlflow
+
+        mlflow.log_artifacts(str(out / "pi_ref"), artifact_path="pi_ref")
+        mlflow.log_artifact(str(out / "loss.csv"))
+    print(f"pi_ref: {stats['steps']} steps, final loss {stats['loss']:.4f}, "
+          f"{stats['tokens_per_s']:,.0f} tokens/s, {stats['seconds'] / 60:.1f} min")
+    return stats
+
+
+def _worker(params_path: Path, data: Path) -> None:
+    """A non-zero rank: the same steps without Prefect or MLflow (training is collective)."""
+    from tasks.sft import prepare_base, train
+
+    params = load_or_exit(params_path, _check)
+    with tempfile.TemporaryDirectory() as work:
+        base = prepare_base.fn(params, data / "expert" / "d_bc.parquet", Path(work) / "base")
+        train.fn(params, base, data / "expert" / "d_bc.parquet", data / "sft" / "pi_ref", None, None)
+
+
+def main() -> None:
+    args = stage_parser(__doc__.splitlines()[0]).parse_args()
+    load_or_exit(args.params, _check)  # fail before Prefect starts
+    if int(os.environ.get("RANK", "0")) > 0:
+        _worker(args.params, args.data)
+    else:
+        sft_flow(params_path=args.params, data=args.data)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Tasks of the ``sft`` stage: the base model, then behaviour cloning of ``D_bc`` into ``pi_ref``."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+
+from hisr_core import contracts
+from hisr_core.config import Params
+from hisr_core.envs import environment_class
+from hisr_core.models import build_builtin, is_builtin, load_model, load_tokenizer
+from hisr_core.prompts import PromptBuilder, system_text
+from hisr_core.sft import encode_trajectories, train_sft
+from hisr_core.training import resolve_dtype
+
+
+def corpus(d_bc_path: Path, env_name: str) -> list[str]:
+    """Texts a builtin tokenizer is trained on: every system message, observation and response."""
+    grammar = environment_class(env_name).command_grammar
+    texts = []
+    for row in contracts.read_rows(d_bc_path, "expert_trajectories"):
+        texts.append(system_text(row["instruction"], grammar))
+        for turn in row["turns"]:
+            texts += [turn["observation"], turn["response"]]
+        texts.append(row["final_observation"])
+    return texts
+
+
+@task(name="prepare-base-model")
+def prepare_base(params: Params, d_bc_path: Path, work_dir: Path) -> str:
+    """The model SFT starts from: a fresh builtin model (tokenizer trained on ``D_bc``), or the
+    configured Hugging Face model as it is."""
+    name = params.model.name_or_path
+    if not is_builtin(name):
+        return name
+    out = build_builtin(name, corpus(d_bc_path, params.env.name), params.sft.seed, work_dir)
+    return str(out)
+
+
+@task(name="train-sft")
+def train(params: Params, base: str, d_bc_path: Path, out_dir: Path, loss_csv: Path | None,
+          run_id: str | None) -> dict[str, Any]:
+    """Behaviour cloning (NLL of response tokens only) of ``D_bc``; saves ``pi_ref``."""
+    tokenizer = load_tokenizer(base)
+    model = load_model(base, dtype=resolve_dtype(params.model.dtype))
+    builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
+    rows = contracts.read_rows(d_bc_path, "expert_trajectories")
+    grammar = environment_class(params.env.name).command_grammar
+    sequences = encode_trajectories(rows, builder, grammar)
+    curve: list[tuple[int, float]] = []
+
+    def on_log(step: int, metrics: dict[str, float]) -> None:
+        curve.append((step, metrics["losses/sft"]))
+        if run_id is not None:
+            import mlflow
+
+            mlflow.log_metrics(metrics, step=step, run_id=run_id)
+
+    stats = train_sft(model, tokenizer, sequences, params.sft, params.model.dtype, on_log,
+                      lora=params.model.lora, out_dir=out_dir)
+    if loss_csv is not None:
+        loss_csv.parent.mkdir(parents=True, exist_ok=True)
+        tmp = loss_csv.with_suffix(".tmp")
+        with tmp.open("w", newline="") as f:
+            csv.writer(f).writerows([("step", "loss"), *curve])
+        tmp.replace(loss_csv)
+    return {**stats, "sequences": len(sequences), "trajectories": len(rows)}

@@ -1,0 +1,140 @@
+"""``sft`` then ``evaluate`` end to end through their command lines (real Prefect, MLflow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from hisr_core import contracts
+from tasks.sft import corpus
+
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def expert_data(tmp_path_factory, prefect_api, mlflow_uri):
+    """One small expert run shared by the tests of this module."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.conftest import ROOT
+
+    tmp = tmp_path_factory.mktemp("expert")
+    params = {"expert": {"n_train": 24, "n_valid_seen": 6, "n_valid_unseen": 6},
+              "tracking": {"mlflow_uri": mlflow_uri, "experiment": "sft-evaluate-expert"}}
+    (tmp / "params.yaml").write_text(yaml.safe_dump(params))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update(prefect_api, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "flows.expert", "--params",
+                           str(tmp / "params.yaml"), "--data", str(tmp / "data")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return tmp / "data"
+
+
+def _params(mlflow_uri, experiment, model, **sft):
+    return {
+        "env": {"max_turns": 8},
+        "expert": {"n_train": 24, "n_valid_seen": 6, "n_valid_unseen": 6},
+        "model": {"name_or_path": model, "max_tokens": 1024},
+        "sft": {"max_steps": 3, "micro_batch_size": 4, "log_every": 1, "backend": "torch", **sft},
+        "evaluate": {"n_tasks": 4, "batch_size": 4, "max_new_tokens": 24},
+        "tracking": {"mlflow_uri": mlflow_uri, "experiment": experiment},
+    }
+
+
+def _tiny_qwen(folder, texts):
+    """A tiny Qwen2 model with a chat template, saved like a hub download (built offline)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = QWEN_TEMPLATE
+    cfg = Qwen2Config(vocab_size=len(fast), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
+    Qwen2ForCausalLM(cfg).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+def _run_sft_and_evaluate(run_module, tmp_path, expert_data, model, mlflow_uri, experiment):
+    import shutil
+
+    import yaml
+
+    data = tmp_path / "data"
+    shutil.copytree(expert_data, data)
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(_params(mlflow_uri, experiment, model)))
+    proc = run_module("flows.sft", "--params", str(params), "--data", str(data))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pi_ref = data / "sft" / "pi_ref"
+    assert (pi_ref / "config.json").is_file()
+    metrics = json.loads((data / "sft" / "metrics.json").read_text())["sft"]
+    assert metrics["steps"] == 3 and metrics["loss"] > 0
+    assert (data / "sft" / "loss.csv").read_text().startswith("step,loss\n1,")
+
+    proc = run_module("flows.evaluate", "--model", str(pi_ref), "--name", "sft",
+                      "--params", str(params), "--data", str(data))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| sft | valid_seen |" in proc.stdout + proc.stderr
+    for split in ("valid_seen", "valid_unseen"):
+        rows = contracts.read_rows(data / "eval" / "sft" / "episodes" / f"{split}.parquet",
+                                   "episodes")
+        assert len(rows) == 4 and all(r["n_turns"] == len(r["turns"]) >= 1 for r in rows)
+    ev = json.loads((data / "eval" / "sft" / "metrics.json").read_text())["eval"]
+    assert set(ev["valid_seen"]["success"]) == {"PICK", "CLEAN", "HEAT", "COOL", "LOOK",
+                                                "PICK2", "all"}
+
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_uri)
+    runs = {r.info.run_name: r for r in
+            mlflow.search_runs(experiment_names=[experiment], output_format="list")}
+    assert set(runs) == {"sft", "evaluate/sft"}
+    client = mlflow.MlflowClient()
+    history = client.get_metric_history(runs["sft"].info.run_id, "losses/sft")
+    assert [m.step for m in history] == [1, 2, 3]
+    assert "eval/valid_seen/success/all" in runs["evaluate/sft"].data.metrics
+    assert any(a.path == "pi_ref" for a in client.list_artifacts(runs["sft"].info.run_id))
+
+
+@pytest.mark.slow
+def test_builtin_model_through_sft_and_evaluate(run_module, tmp_path, expert_data, mlflow_uri,
+                                                experiment):
+    _run_sft_and_evaluate(run_module, tmp_path, expert_data, "builtin:tiny", mlflow_uri,
+                          experiment)
+
+
+@pytest.mark.slow
+def test_hf_model_folder_through_sft_and_evaluate(run_module, tmp_path, expert_data, mlflow_uri,
+                                                  experiment):
+    folder = _tiny_qwen(tmp_path / "qwen", corpus(expert_data / "expert" / "d_bc.parquet",
+                                                  "household"))
+    _run_sft_and_evaluate(run_module, tmp_path, expert_data, str(folder), mlflow_uri, experiment)
+
+
+def test_missing_model_folder_fails_at_start(run_module, write_params, tmp_path):
+    params = write_params({"model": {"name_or_path": str(tmp_path / "no_model")}})
+    proc = run_module("flows.sft", "--params", str(params), "--data", str(tmp_path / "data"))
+    assert proc.returncode == 2
+    assert f"model.name_or_path '{tmp_path / 'no_model'}': no such folder" in proc.stderr
+    proc = run_module("flows.evaluate", "--model", str(tmp_path / "no_model"), "--name", "x",
+                      "--params", str(params), "--data", str(tmp_path / "data"))
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    assert not (tmp_path / "data").exists()
