@@ -54,6 +54,11 @@ class ExpertParams(Section):
     n_valid_unseen: int = Field(200, ge=0, le=1_000_000)
     """Number of ``valid_unseen`` tasks (combinations and layouts never in train)."""
 
+    slip_rate: float = Field(0.1, ge=0.0, le=0.5)
+    """Chance per turn that the expert first slips (a plausible wrong command, answered
+    ``Nothing happens.``) and then recovers; slipped turns carry no SFT loss. Training split
+    only; 0 turns recovery demonstrations off."""
+
     def split_sizes(self) -> dict[str, int]:
         return {
             "train": self.n_train,
@@ -113,7 +118,7 @@ class SftParams(Section):
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many optimizer steps (``null``: run all epochs)."""
 
-    lr: float = Field(1e-3, gt=0, le=1.0)
+    lr: float = Field(3e-3, gt=0, le=1.0)
     """Peak learning rate of AdamW."""
 
     warmup_ratio: float = Field(0.05, ge=0.0, lt=1.0)
@@ -150,8 +155,9 @@ class EvaluateParams(Section):
     splits: list[str] = Field(default_factory=lambda: ["valid_seen", "valid_unseen"], min_length=1)
     """Splits to play (task lists written by the ``expert`` stage)."""
 
-    n_tasks: int | None = Field(None, ge=1)
-    """Play only the first ``n_tasks`` of each split (``null``: all)."""
+    n_tasks: int | None = Field(100, ge=1)
+    """Play only the first ``n_tasks`` of each split (``null``: all); task types cycle, so any
+    prefix stays balanced."""
 
     batch_size: int = Field(32, ge=1)
     """Episodes played in lockstep (one batched generation call per turn)."""

@@ -178,12 +178,14 @@ class PromptBuilder:
         return range(start, k)
 
     def encode(self, system: str, turns: Sequence[tuple[str, str]], first: int = 0,
-               observation: str | None = None, train_from: int | None = None) -> Encoded:
+               observation: str | None = None, train_from: int | None = None,
+               learn: Sequence[bool] | None = None) -> Encoded:
         """Encode ``system`` + turns ``first..`` of ``turns`` (+ a pending ``observation``).
 
         ``turns`` are (observation, response) pairs. Responses of turns ``>= train_from``
-        (default: all encoded turns) are masked in. With ``observation`` the sequence ends with
-        that user message and the assistant header: a generation prompt.
+        (default: all encoded turns) are masked in, except turns whose ``learn`` flag is False
+        (they stay in context only). With ``observation`` the sequence ends with that user
+        message and the assistant header: a generation prompt.
         """
         train_from = first if train_from is None else train_from
         ids, mask, owner = list(self._system(system)), [], []
@@ -193,9 +195,9 @@ class PromptBuilder:
             obs, resp = turns[k]
             user = self._user(obs)
             head, body, tail = self._assistant(resp)
-            learn = int(k >= train_from)
+            on = int(k >= train_from and (learn is None or learn[k]))
             ids += user + head + body + tail
-            mask += [0] * (len(user) + len(head)) + [learn] * len(body) + [0] * len(tail)
+            mask += [0] * (len(user) + len(head)) + [on] * len(body) + [0] * len(tail)
             owner += [k] * (len(user) + len(head) + len(body) + len(tail))
         if observation is not None:
             user = self._user(observation) + self.assistant_prefix
@@ -219,7 +221,8 @@ class PromptBuilder:
                              f"{self.max_tokens} even without history")
         return enc
 
-    def training_sequences(self, system: str, turns: Sequence[tuple[str, str]]) -> list[Encoded]:
+    def training_sequences(self, system: str, turns: Sequence[tuple[str, str]],
+                           learn: Sequence[bool] | None = None) -> list[Encoded]:
         """Training sequences covering every response once, each response seen with exactly
         the context it gets at inference (the window of ``history`` turns, whole turns).
 
@@ -227,18 +230,21 @@ class PromptBuilder:
         ``k`` gets its own sequence ``k-history..k`` training only response ``k``. If the first
         sequence is over ``max_tokens`` every turn gets its own; a sequence over ``max_tokens``
         drops its oldest context turns, as :meth:`prompt` does (never the trained response).
+        Turns whose ``learn`` flag is False are context only (no sequence trains them).
         """
         m = len(turns)
         head_end = m if self.history is None else min(m, self.history + 1)
-        head = self.encode(system, turns[:head_end], 0)
+        head = self.encode(system, turns[:head_end], 0, learn=learn)
         if len(head.input_ids) <= self.max_tokens:
             out, rest = [head], range(head_end, m)
         else:
             out, rest = [], range(m)
         for k in rest:
+            if learn is not None and not learn[k]:
+                continue
             first = self.window(k).start
             while True:
-                enc = self.encode(system, turns[:k + 1], first, train_from=k)
+                enc = self.encode(system, turns[:k + 1], first, train_from=k, learn=learn)
                 if len(enc.input_ids) <= self.max_tokens:
                     break
                 if first >= k:

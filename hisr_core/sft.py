@@ -64,13 +64,16 @@ def encode_trajectories(rows: Iterable[Mapping[str, Any]], builder: PromptBuilde
     """Training sequences of ``D_bc`` rows (``instruction`` + ``turns`` of observation/response).
 
     Each episode becomes the sequences :meth:`PromptBuilder.training_sequences` makes, which
-    cover every response once with the context it has at inference.
+    cover every response once with the context it has at inference. Inadmissible turns (an
+    expert's recovery demonstrations slip first) stay in context but carry no loss: the policy
+    learns to recover, not to slip.
     """
     out: list[Encoded] = []
     for row in rows:
         system = system_text(row["instruction"], grammar)
         turns = [(t["observation"], t["response"]) for t in row["turns"]]
-        out.extend(builder.training_sequences(system, turns))
+        learn = [bool(t.get("admissible", True)) for t in row["turns"]]
+        out.extend(builder.training_sequences(system, turns, learn))
     return out
 
 

@@ -31,16 +31,19 @@ def make_tasks(env: EnvParams, split: str, n: int, seed: int, out: Path) -> dict
 
 
 @task(name="expert-play")
-def expert_play(env: EnvParams, tasks_path: Path, out: Path | None) -> dict[str, Any]:
+def expert_play(env: EnvParams, tasks_path: Path, out: Path | None,
+                slip_rate: float = 0.0) -> dict[str, Any]:
     """Play every task of ``tasks_path`` with the expert; write the wins to ``out`` (``D_bc``).
 
-    Returns the split's metrics: success rate, and episode and mean-turn counts per task type.
+    Returns the split's metrics: success rate, episode and mean-turn counts per task type, and
+    the number of slips (recovery demonstrations, see ``ExpertParams.slip_rate``).
     """
     environment = make_environment(env.name, env.max_turns, **env.options)
     tasks = [Task.from_row(r) for r in contracts.read_rows(tasks_path, "tasks")]
-    rows, turns_by_type, failed = [], collections.defaultdict(list), 0
+    rows, turns_by_type, failed, slips = [], collections.defaultdict(list), 0, 0
     for task_ in tqdm(tasks, desc=f"expert {tasks_path.stem}", unit="task", mininterval=2):
-        ep = environment.expert_play(task_)
+        ep = environment.expert_play(task_, slip_rate)
+        slips += sum(not t.admissible for t in ep.turns)
         if not ep.won:
             failed += 1
             continue
@@ -64,4 +67,5 @@ def expert_play(env: EnvParams, tasks_path: Path, out: Path | None) -> dict[str,
         "episodes": {k: len(v) for k, v in sorted(turns_by_type.items())},
         "mean_turns_by_type": {k: statistics.fmean(v) for k, v in sorted(turns_by_type.items())},
         "n_failed": failed,
+        "n_slips": slips,
     }

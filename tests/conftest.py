@@ -77,7 +77,7 @@ def experiment(request) -> str:
     return "t-" + re.sub(r"[^\w-]", "_", request.node.name)[:60] + f"-{time.monotonic_ns()}"
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def run_module(prefect_api):
     """Run ``python -m <module> <args>`` from the project root against the session's servers."""
 
@@ -85,7 +85,7 @@ def run_module(prefect_api):
         env = _clean_env()
         env.update(prefect_api, PYTHONPATH=str(ROOT))
         return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=timeout, check=False)
 
     return run
 

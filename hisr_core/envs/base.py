@@ -165,8 +165,13 @@ class Environment(abc.ABC):
     def start(self, task: Task) -> Episode:
         """A fresh episode for ``task`` (call ``reset`` on it before stepping)."""
 
-    def expert_play(self, task: Task) -> ExpertEpisode:
-        """Play ``task`` with the benchmark's expert; raises if the benchmark has none."""
+    def expert_play(self, task: Task, slip_rate: float = 0.0) -> ExpertEpisode:
+        """Play ``task`` with the benchmark's expert; raises if the benchmark has none.
+
+        ``slip_rate``: the chance per turn that the expert first issues a plausible wrong
+        command and then recovers (recovery demonstrations; the slipped turns are flagged
+        inadmissible). Experts that cannot recover accept only 0.
+        """
         raise NotImplementedError(f"environment {self.name!r} has no expert")
 
     def check_split(self, split: str) -> None:

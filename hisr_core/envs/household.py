@@ -1025,14 +1025,63 @@ class _Expert:
         return self._go(r)
 
 
-def play_expert(ep: HouseholdEpisode) -> ExpertEpisode:
-    """Reset ``ep`` and play it to the end with the expert."""
+#: Thoughts opening the turn after a slip (an inadmissible command answered "Nothing happens.").
+_RECOVER = ("That did not work.", "Nothing happened, so that was wrong.",
+            "That command did nothing; let me look at what I actually have.")
+_SLIP_THOUGHT = ("I will try {cmd}.", "Maybe {cmd} works.", "Let me {cmd}.")
+#: At most this many slips per episode, so the expert still wins well within the turn limit.
+MAX_SLIPS = 2
+
+
+def _slip_command(ep: HouseholdEpisode, rng: random.Random) -> str | None:
+    """A plausible command that does nothing here: taking an object that is not there (often
+    one that looks like the goal), opening what is open, going where the agent already is, or
+    putting something not held. ``None`` if no such command is found."""
+    room = ep._room
+    loc = ep._loc
+    if loc < 0:
+        return None
+    here = room.rnames[loc]
+    similar = [t for t in PRIORS if PRIORS[t][:2] == PRIORS[room.goal_object][:2]]
+    obj = f"{rng.choice(similar or [room.goal_object])} {rng.randint(1, 3)}"
+    candidates = [f"take {obj} from {here}", f"open {here}", f"go to {here}",
+                  f"put {obj} in/on {here}"]
+    admissible = set(ep.admissible_commands())
+    options = [c for c in candidates if c not in admissible]
+    return rng.choice(options) if options else None
+
+
+def play_expert(ep: HouseholdEpisode, slip_rate: float = 0.0) -> ExpertEpisode:
+    """Reset ``ep`` and play it to the end with the expert.
+
+    With ``slip_rate > 0`` the expert sometimes issues a plausible inadmissible command (a
+    *slip*, at most :data:`MAX_SLIPS` per episode), sees ``Nothing happens.`` and recovers on the
+    next turn: demonstrations of recovery for behaviour cloning (as in DART). Slipped turns are
+    flagged ``admissible=False`` so training can leave them out of the loss.
+    """
+    if not 0.0 <= slip_rate < 1.0:
+        raise ValueError(f"slip_rate must be in [0, 1), got {slip_rate}")
     obs = ep.reset()
     # Thought wording only; salted so it is independent of the generator's draws.
     expert = _Expert(ep, random.Random(ep.task.seed ^ 0x5EED_7A0C))
+    slips = random.Random(ep.task.seed ^ 0x511B_5EED)
     turns: list[Turn] = []
+    n_slips, recovering = 0, False
     while not ep.done:
+        if (slip_rate and turns and not recovering and n_slips < MAX_SLIPS
+                and slips.random() < slip_rate):
+            cmd = _slip_command(ep, slips)
+            if cmd is not None:
+                res = ep.step(cmd)
+                thought = slips.choice(_SLIP_THOUGHT).format(cmd=cmd)
+                turns.append(Turn(observation=obs, response=format_response(thought, cmd),
+                                  action=cmd, admissible=res.admissible))
+                obs, n_slips, recovering = res.observation, n_slips + 1, True
+                continue
         thought, cmd = expert.act()
+        if recovering:
+            thought = f"{slips.choice(_RECOVER)} {thought}".strip()
+            recovering = False
         res = ep.step(cmd)
         turns.append(Turn(observation=obs, response=format_response(thought, cmd), action=cmd,
                           admissible=res.admissible))
@@ -1117,5 +1166,5 @@ class HouseholdEnv(Environment):
             raise ValueError(f"task {task.task_id!r} belongs to environment {task.env!r}")
         return HouseholdEpisode(task, self.max_turns, self.show_admissible)
 
-    def expert_play(self, task: Task) -> ExpertEpisode:
-        return play_expert(self.start(task))
+    def expert_play(self, task: Task, slip_rate: float = 0.0) -> ExpertEpisode:
+        return play_expert(self.start(task), slip_rate)

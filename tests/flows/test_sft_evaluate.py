@@ -5,38 +5,23 @@ from __future__ import annotations
 import json
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from hisr_core import contracts
 from tasks.sft import corpus
-
-QWEN_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from tests.hf_fixtures import save_tiny_qwen
 
 
 @pytest.fixture(scope="module")
-def expert_data(tmp_path_factory, prefect_api, mlflow_uri):
+def expert_data(tmp_path_factory, run_module, mlflow_uri):
     """One small expert run shared by the tests of this module."""
-    import os
-    import subprocess
-    import sys
-
     import yaml
-
-    from tests.conftest import ROOT
 
     tmp = tmp_path_factory.mktemp("expert")
     params = {"expert": {"n_train": 24, "n_valid_seen": 6, "n_valid_unseen": 6},
               "tracking": {"mlflow_uri": mlflow_uri, "experiment": "sft-evaluate-expert"}}
     (tmp / "params.yaml").write_text(yaml.safe_dump(params))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env.update(prefect_api, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "flows.expert", "--params",
-                           str(tmp / "params.yaml"), "--data", str(tmp / "data")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_module("flows.expert", "--params", str(tmp / "params.yaml"),
+                      "--data", str(tmp / "data"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     return tmp / "data"
 
@@ -50,26 +35,6 @@ def _params(mlflow_uri, experiment, model, **sft):
         "evaluate": {"n_tasks": 4, "batch_size": 4, "max_new_tokens": 24},
         "tracking": {"mlflow_uri": mlflow_uri, "experiment": experiment},
     }
-
-
-def _tiny_qwen(folder, texts):
-    """A tiny Qwen2 model with a chat template, saved like a hub download (built offline)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = QWEN_TEMPLATE
-    cfg = Qwen2Config(vocab_size=len(fast), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
-    Qwen2ForCausalLM(cfg).save_pretrained(folder)
-    fast.save_pretrained(folder)
-    return folder
 
 
 def _run_sft_and_evaluate(run_module, tmp_path, expert_data, model, mlflow_uri, experiment):
@@ -124,8 +89,8 @@ def test_builtin_model_through_sft_and_evaluate(run_module, tmp_path, expert_dat
 @pytest.mark.slow
 def test_hf_model_folder_through_sft_and_evaluate(run_module, tmp_path, expert_data, mlflow_uri,
                                                   experiment):
-    folder = _tiny_qwen(tmp_path / "qwen", corpus(expert_data / "expert" / "d_bc.parquet",
-                                                  "household"))
+    folder = save_tiny_qwen(tmp_path / "qwen",
+                            corpus(expert_data / "expert" / "d_bc.parquet", "household"), 600)
     _run_sft_and_evaluate(run_module, tmp_path, expert_data, str(folder), mlflow_uri, experiment)
 
 

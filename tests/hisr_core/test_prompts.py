@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from hisr_core.models import train_tokenizer
 from hisr_core.prompts import PromptBuilder, system_text
+from tests import hf_fixtures
 
 TURNS = [
     ("You are in the middle of a room.\n\nYour task is to: put a mug in shelf.",
@@ -23,40 +22,18 @@ TURNS = [
 SYSTEM = system_text("put a mug in shelf", ["go to {recep}", "take {obj} from {recep}"])
 CORPUS = [SYSTEM] + [o for o, _ in TURNS] + [r for _, r in TURNS]
 
-QWEN_LIKE_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
 def builtin_tokenizer():
     return train_tokenizer(CORPUS * 3, vocab_size=400)
 
 
 def chat_tokenizer():
     """A tokenizer with a chat template, built offline (no hub)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS * 3, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = QWEN_LIKE_TEMPLATE
-    return fast
+    return hf_fixtures.chat_tokenizer(CORPUS * 3)
 
 
 def plain_eos_tokenizer():
     """Like GPT-2: no chat template, role markers are ordinary text, EOS ends a turn."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS * 3, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    return hf_fixtures.plain_eos_tokenizer(CORPUS * 3)
 
 
 TOKENIZERS = {"builtin": builtin_tokenizer, "chat_template": chat_tokenizer,
@@ -139,3 +116,14 @@ def test_training_sequences_all_history_is_one_sequence():
 def test_too_long_single_turn_is_an_error():
     with pytest.raises(ValueError, match="max_tokens"):
         PromptBuilder(builtin_tokenizer(), max_tokens=10).training_sequences(SYSTEM, TURNS)
+
+
+def test_turns_not_learned_stay_in_context_without_loss():
+    tok = builtin_tokenizer()
+    learn = [True, False, True, True, True]
+    for builder in (PromptBuilder(tok), PromptBuilder(tok, history=2)):
+        seqs = builder.training_sequences(SYSTEM, TURNS, learn)
+        trained = "".join(masked_text(tok, s) for s in seqs)
+        assert trained == "".join(r for (_, r), on in zip(TURNS, learn) if on)
+        text = tok.decode(seqs[0].input_ids, skip_special_tokens=True)
+        assert TURNS[1][1] in text, "the unlearned response is still context"

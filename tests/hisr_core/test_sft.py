@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from hisr_core import sft
 from hisr_core.models import build_builtin, load_model, load_tokenizer
@@ -36,6 +34,7 @@ from hisr_core.sft import (
     train_sft,
 )
 from hisr_core.training import DistInfo
+from tests.hf_fixtures import save_tiny_qwen
 from tests.hisr_core.sft_worker import GRAMMAR, corpus, make_rows, sft_params, train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,26 +182,7 @@ def test_on_log_every_n_steps_and_at_the_end(tiny_dir, tokenizer):
 
 def chat_model_dir(tmp_path: Path) -> Path:
     """A tiny Qwen2 with a chat-template tokenizer (the Hugging Face model path)."""
-    texts = corpus(make_rows(20, seed=0))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    config = Qwen2Config(vocab_size=len(fast), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=1024, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
-    fast.save_pretrained(tmp_path)
-    return tmp_path
+    return save_tiny_qwen(tmp_path, corpus(make_rows(20, seed=0)), vocab_size=300)
 
 
 def test_sft_on_a_chat_template_model(tmp_path):
@@ -272,3 +252,13 @@ def test_two_processes_match_one_with_twice_the_micro_batch(reference, tiny_dir,
     result = run_worker(tmp_path, tiny_dir, backend, MICRO, 2)
     assert result["summary"]["world_size"] == 2
     assert_same_curve(result, reference[0])
+
+
+def test_inadmissible_turns_are_context_without_loss(tokenizer):
+    rows = make_rows(3, seed=5)
+    rows[0]["turns"][1] = {**rows[0]["turns"][1], "admissible": False}
+    seqs = encode_trajectories(rows, PromptBuilder(tokenizer), GRAMMAR)
+    learned = tokenizer.decode([t for t, m in zip(seqs[0].input_ids, seqs[0].response_mask) if m],
+                               skip_special_tokens=True)
+    expected = "".join(t["response"] for k, t in enumerate(rows[0]["turns"]) if k != 1)
+    assert learned == expected

@@ -470,3 +470,30 @@ def test_expert_plays_hand_built_room():
         ex = env.expert_play(task)
         assert ex.won
         assert ex.turns[0].action == "go to fridge 1"  # the apple prior starts with fridge
+
+
+def test_expert_slips_then_recovers_and_still_wins():
+    from hisr_core.envs.household import MAX_SLIPS
+
+    env = make_environment("household", max_turns=40)
+    n_slipped = 0
+    for task in env.make_tasks("train", 200, seed=3):
+        ep = env.expert_play(task, slip_rate=0.3)
+        assert ep.won, task.task_id
+        slips = [k for k, t in enumerate(ep.turns) if not t.admissible]
+        assert len(slips) <= MAX_SLIPS
+        n_slipped += bool(slips)
+        for k in slips:
+            assert k > 0 and k + 1 < len(ep.turns), "a slip is never first or last"
+            assert ep.turns[k + 1].observation == "Nothing happens."
+            nxt = ep.turns[k + 1]
+            assert nxt.admissible and nxt.response.startswith(
+                ("Thought: That did not work.", "Thought: Nothing happened",
+                 "Thought: That command did nothing"))
+    assert n_slipped > 50
+    # No slips without a slip rate; the same slip rate gives the same episode.
+    task = env.make_tasks("train", 1, seed=3)[0]
+    assert all(t.admissible for t in env.expert_play(task).turns)
+    assert env.expert_play(task, 0.3) == env.expert_play(task, 0.3)
+    with pytest.raises(ValueError, match="slip_rate"):
+        env.expert_play(task, 1.5)
