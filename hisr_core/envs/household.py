@@ -695,24 +695,28 @@ _NOTHING_HERE = (
     "I do not see {a_x} {prep} the {r}.",
 )
 _EMPTY_HERE = ("The {r} is empty.", "There is nothing {prep} the {r}.", "Nothing here.")
+# Search steps name what is searched for, so the sub-goal is always in the latest thought.
 _NEXT_CHECK = (
-    "Next I will check {r}.",
-    "Let me try {r} next.",
-    "{R} is the next place to check.",
-    "I will go to {r}.",
+    "Next I will check {r} for {a_x}.",
+    "Let me look for {a_x} in {r} next.",
+    "{R} is the next place to look for {a_x}.",
+    "I will go to {r} to find {a_x}.",
 )
 _FALLBACK_CHECK = (
-    "I have checked the likely places, so I will try {r}.",
-    "None of the usual places had it; I will look at {r}.",
+    "I have checked the likely places, so I will look for {a_x} in {r}.",
+    "None of the usual places had {a_x}; I will look at {r}.",
 )
-_OPEN_IT = ("I will open it.", "Let me open it.", "I need to open it to look inside.")
+_OPEN_IT = ("I will open it to look for {a_x}.", "Let me open it and look for {a_x}.",
+            "I need to open it to see if {a_x} is inside.")
 _SEE_IT = ("I see {x} here.", "Now I find {a_kind} ({x}).", "There is {x} here.")
 _TAKE_IT = ("I will take it.", "Next, I need to take it.", "Let me pick it up.")
 _ALSO_LAMP = ("I also notice {lamp} here, which I will need later.",
               "There is {lamp} here too; I will remember it.")
 _ALSO_X = ("There is also {x2} here; I will come back for it.",
            "I will remember {x2} for later.")
-_HAVE = ("Now I have {x}.", "I picked up {x}.", "Now I take {x}.")
+# After a take, the rest of the plan is restated (what is left to do with the object).
+_HAVE = ("Now I have {x}; next I {rest}.", "I picked up {x}. What is left: {rest}.",
+         "Now I take {x}, and I still need to {rest}.")
 _GO_APPLIANCE = (
     "Next, I need to go to {app} and {verb} it.",
     "Now I need to {verb} it with {app}.",
@@ -887,7 +891,7 @@ class _Expert:
                     lamp = next(o for o in ep._contents[loc] if room.is_lamp[o])
                     say.append(self._pick(_ALSO_LAMP, lamp=room.onames[lamp]))
         elif last[0] == _TAKE:
-            say.append(self._pick(_HAVE, x=room.onames[held]))
+            say.append(self._pick(_HAVE, x=room.onames[held], rest=self._rest()))
         elif last[0] in (_CLEAN, _HEAT, _COOL):
             verb, _, adj = room.transform  # type: ignore[misc]
             say.append(self._pick(_TRANSFORMED, x=room.onames[held], adj=adj, verb=verb))
@@ -920,6 +924,16 @@ class _Expert:
             return f"find and take {_a(x)}, then {verb} it with {app}, then put it {prep} {y}"
         return f"find and take {_a(x)}, then put it {prep} {y}"
 
+    def _rest(self) -> str:
+        """What is left of the plan once an X is in hand."""
+        room, prep, y = self.room, _prep(self.y), self.y
+        if room.goal_type == "LOOK":
+            return "find and use a desklamp"
+        if room.transform:
+            verb, app, _ = room.transform
+            return f"{verb} it with {app}, then put it {prep} {y}"
+        return f"put it {prep} {y}"
+
     def _go(self, r: int) -> str:
         self.last = (_GO, r)
         return self.room.go_cmds[r]
@@ -943,10 +957,10 @@ class _Expert:
                     say.append(self._pick(_LAMP_KNOWN, lamp=room.onames[lamp],
                                           r=room.rnames[r]))
                 else:
-                    say.append(self._pick(_NEXT_CHECK, r=room.rnames[r]))
+                    say.append(self._pick(_NEXT_CHECK, r=room.rnames[r], a_x=_a(LAMP)))
                 return self._go(r)
             if loc >= 0 and ep._closed[loc] and loc not in self.seen:
-                say.append(self._pick(_OPEN_IT))
+                say.append(self._pick(_OPEN_IT, a_x=_a(LAMP)))
                 self.last = (_OPEN, loc)
                 return f"open {room.rnames[loc]}"
             r = self._next_unseen(self.lamp_order)
@@ -955,7 +969,7 @@ class _Expert:
                                       where=_where(room, self.lamp_prior_types)))
             else:
                 say.append(self._pick(self._check_opts(r, self.lamp_order, self.n_prior_lamp),
-                                      r=room.rnames[r]))
+                                      r=room.rnames[r], a_x=_a(LAMP)))
             return self._go(r)
 
         hname = room.onames[held]
@@ -1010,7 +1024,7 @@ class _Expert:
                 say.append(self._pick(_GO_BACK, r=room.rnames[r], x=room.onames[o]))
             return self._go(r)
         if loc >= 0 and ep._closed[loc] and loc not in self.seen:
-            say.append(self._pick(_OPEN_IT))
+            say.append(self._pick(_OPEN_IT, a_x=_a(x)))
             self.last = (_OPEN, loc)
             return f"open {room.rnames[loc]}"
         r = self._next_unseen(self.x_order)
@@ -1021,7 +1035,7 @@ class _Expert:
             say.append(self._pick(_SECOND_SEARCH, kind=x, r=room.rnames[r]))
         else:
             say.append(self._pick(self._check_opts(r, self.x_order, self.n_prior_x),
-                                  r=room.rnames[r]))
+                                  r=room.rnames[r], a_x=_a(x)))
         return self._go(r)
 
 
