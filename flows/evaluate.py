@@ -28,7 +28,8 @@ def evaluate_flow(model: Path, name: str, params_path: Path = Path("params.yaml"
     types = task_types(params.env.name)
     metrics: dict = {}
     sections = {"env": params.env.model_dump(), "model": params.model.model_dump(),
-                "evaluate": params.evaluate.model_dump(), "policy": name}
+                "evaluate": params.evaluate.model_dump(),
+                "rollout": params.rollout.model_dump(), "policy": name}
     with stage_run(params, f"evaluate/{name}", sections):
         for split in params.evaluate.splits:
             table = evaluate_split(params, model, split, data / "tasks" / f"{split}.parquet",

@@ -149,6 +149,48 @@ class SftParams(Section):
     """Optimizer steps between logged losses."""
 
 
+class OpenAIParams(Section):
+    """The ``openai`` generation backend: any OpenAI-compatible completions server (vLLM)."""
+
+    base_url: str = Field("http://127.0.0.1:8000/v1", min_length=1)
+    """The server's API root."""
+
+    model: str | None = None
+    """Served model name; ``null``: the policy's model folder, as ``vllm serve DIR`` names it."""
+
+    api_key_env: str = Field("OPENAI_API_KEY", min_length=1)
+    """Environment variable holding the API key (the key itself never goes in params)."""
+
+    concurrency: int = Field(32, ge=1)
+    """Most requests in flight at once."""
+
+    timeout_s: float = Field(120.0, gt=0)
+    """Per-request timeout."""
+
+    max_retries: int = Field(5, ge=0)
+    """Retries of a failed request (connection error, timeout, 429, 5xx), with back-off."""
+
+
+class RolloutParams(Section):
+    """The engine that plays episodes (evaluation, collection, PPO)."""
+
+    backend: Literal["hf", "openai"] = "hf"
+    """``hf``: in-process transformers; ``openai``: a server (see ``openai``)."""
+
+    batch_size: int = Field(32, ge=1)
+    """Episodes played in lockstep (one batched generation call per turn)."""
+
+    max_new_tokens: int = Field(96, ge=1)
+    """Longest response of one turn, in tokens."""
+
+    env_workers: int = Field(0, ge=0)
+    """Worker processes stepping the episodes (0: step in-process, right for the built-in
+    household; slow environments such as ALFWorld want a few, e.g. 4)."""
+
+    openai: OpenAIParams = Field(default_factory=OpenAIParams)
+    """Settings of the ``openai`` backend."""
+
+
 class EvaluateParams(Section):
     """The ``evaluate`` flow: greedy episodes on held-out splits."""
 
@@ -159,11 +201,33 @@ class EvaluateParams(Section):
     """Play only the first ``n_tasks`` of each split (``null``: all); task types cycle, so any
     prefix stays balanced."""
 
-    batch_size: int = Field(32, ge=1)
-    """Episodes played in lockstep (one batched generation call per turn)."""
 
-    max_new_tokens: int = Field(96, ge=1)
-    """Longest response of one turn, in tokens."""
+class CollectParams(Section):
+    """The ``collect`` stage: N sampled rollouts of ``pi_ref`` per training task (``D_ct``)."""
+
+    seed: int = Field(0, ge=0)
+    """Sampling seed (same seed and ``hf`` backend: identical ``D_ct``)."""
+
+    n_tasks: int | None = Field(200, ge=1)
+    """The first ``n_tasks`` training tasks (``null``: all)."""
+
+    samples_per_task: int = Field(4, ge=1)
+    """N, rollouts per task (the paper: 10)."""
+
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature (the paper: 1.0)."""
+
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+
+    max_unparsed: int = Field(1, ge=0)
+    """Responses without a parsable action an episode may have before it is dropped."""
+
+    loop_repeats: int = Field(3, ge=2)
+    """An episode repeating the same action block this many times in a row is dropped."""
+
+    loop_max_period: int = Field(2, ge=1)
+    """Longest action block (in turns) the loop filter looks for."""
 
 
 class TrackingParams(Section):
@@ -198,8 +262,14 @@ class Params(Section):
     sft: SftParams = Field(default_factory=SftParams)
     """Behaviour cloning."""
 
+    rollout: RolloutParams = Field(default_factory=RolloutParams)
+    """The episode engine and its generation backend."""
+
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     """Evaluation."""
+
+    collect: CollectParams = Field(default_factory=CollectParams)
+    """N-rollout collection."""
 
     tracking: TrackingParams = Field(default_factory=TrackingParams)
     """MLflow tracking."""

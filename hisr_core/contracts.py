@@ -54,6 +54,18 @@ _TASK_COLUMNS = [
     pa.field("instruction", pa.string(), nullable=False),
 ]
 
+_EPISODE_COLUMNS = [
+    *_TASK_COLUMNS,
+    pa.field("sample", pa.int32(), nullable=False),
+    pa.field("policy", pa.string(), nullable=False),
+    pa.field("turns", pa.list_(pa.field("item", EPISODE_TURN, nullable=False)), nullable=False),
+    pa.field("n_turns", pa.int32(), nullable=False),
+    pa.field("won", pa.bool_(), nullable=False),
+    pa.field("score", pa.float64(), nullable=False),
+    pa.field("truncated", pa.bool_(), nullable=False),
+    pa.field("final_observation", pa.string(), nullable=False),
+]
+
 SCHEMAS: dict[str, pa.Schema] = {
     # One row per task of a split; ``spec`` rebuilds the episode (see hisr_core.envs.Task).
     "tasks": pa.schema(
@@ -74,18 +86,16 @@ SCHEMAS: dict[str, pa.Schema] = {
             pa.field("final_observation", pa.string(), nullable=False),
         ]
     ),
-    # A policy's episodes (evaluation; later the N rollouts D_ct): one row per episode.
-    "episodes": pa.schema(
+    # A policy's episodes (evaluation): one row per episode. ``truncated``: ended by the
+    # turn limit without a win.
+    "episodes": pa.schema(_EPISODE_COLUMNS),
+    # The N rollouts (D_ct, and the dropped ones beside it): episodes plus the outcome R
+    # (the environment's score in [0, 1]) and why the episode was dropped ("" if kept).
+    "rollouts": pa.schema(
         [
-            *_TASK_COLUMNS,
-            pa.field("sample", pa.int32(), nullable=False),
-            pa.field("policy", pa.string(), nullable=False),
-            pa.field("turns", pa.list_(pa.field("item", EPISODE_TURN, nullable=False)),
-                     nullable=False),
-            pa.field("n_turns", pa.int32(), nullable=False),
-            pa.field("won", pa.bool_(), nullable=False),
-            pa.field("score", pa.float64(), nullable=False),
-            pa.field("final_observation", pa.string(), nullable=False),
+            *_EPISODE_COLUMNS,
+            pa.field("outcome", pa.float64(), nullable=False),
+            pa.field("drop_reason", pa.string(), nullable=False),
         ]
     ),
 }

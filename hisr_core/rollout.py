@@ -12,15 +12,18 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hisr_core.envs import Environment, Task
+from hisr_core.envs import Environment, StepResult, Task
 from hisr_core.prompts import PromptBuilder, system_text
 from hisr_core.react import parse_action
+
+if TYPE_CHECKING:
+    from hisr_core.env_workers import EnvWorkers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +55,49 @@ class Generation:
 
 
 class Generator(Protocol):
-    """A backend that continues a batch of token-id prompts."""
+    """A backend that continues a batch of token-id prompts.
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Generation]:
+    ``sessions`` (optional, one hashable key per prompt) say which prompts continue earlier
+    ones: a backend may keep the work done on a session's previous prompt and response (the
+    ``hf`` backend keeps its KV cache) until :meth:`release` is called for it.
+    """
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
+                 sessions: Sequence[Hashable] | None = None) -> list[Generation]:
         ...
+
+    def release(self, session: Hashable) -> None:
+        ...
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Backend counters so far (logged as metrics)."""
+        ...
+
+
+@dataclasses.dataclass
+class _Cached:
+    """A session's KV cache: ``ids`` (T tokens) and per layer keys and values [H_kv, T, D]."""
+
+    ids: list[int]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 class HFGenerator:
     """In-process transformers generation: left padding, KV cache, per-row stop.
+
+    With ``sessions``, the KV cache of each session's last prompt and response is kept, and the
+    next prompt of that session is computed only from where it stops sharing a prefix with
+    them: a turn then costs its new observation, not the whole episode again. This needs a
+    plain dynamic cache (every layer full attention); other caches are recomputed each call.
 
     Args:
         model: a causal LM (eval mode is set here).
@@ -80,10 +118,17 @@ class HFGenerator:
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._keep_arg = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self._store: dict[Hashable, _Cached] = {}
+        #: Prompt tokens computed, and taken from a session's cache, so far.
+        self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_reused": 0}
+
+    def release(self, session: Hashable) -> None:
+        self._store.pop(session, None)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: Any) -> tuple[torch.Tensor, Any]:
-        """Shape: ids (B, T) → last-position logits (B, V) float32, and the updated cache."""
+        """Shape: ids (B, T), mask (B, past + T) → last-position logits (B, V) float32, and
+        the updated cache."""
         kwargs = {self._cache_arg: cache} if cache is not None else {}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, **kwargs, **self._keep_arg)
@@ -103,19 +148,78 @@ class HFGenerator:
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         return torch.multinomial(probs.cpu(), 1, generator=self.rng).squeeze(-1).to(logits.device)
 
+    def _reusable(self, prompts: Sequence[Sequence[int]],
+                  sessions: Sequence[Hashable] | None) -> list[int]:
+        """Per prompt, how many leading tokens the session's cache already holds (at least one
+        token is always left to compute, for the next-token logits)."""
+        if sessions is None:
+            return [0] * len(prompts)
+        if len(sessions) != len(prompts):
+            raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts")
+        out = []
+        for prompt, session in zip(prompts, sessions, strict=True):
+            entry = self._store.get(session)
+            out.append(0 if entry is None else
+                       min(_common_prefix(entry.ids, prompt), len(prompt) - 1))
+        return out
+
+    def _past(self, sessions: Sequence[Hashable], reuse: Sequence[int], width: int) -> Any:
+        """A batched cache of ``width`` slots: row i holds its session's first ``reuse[i]``
+        cached positions right-aligned, zeros (masked) before them."""
+        from transformers import DynamicCache
+
+        some = next(self._store[s] for s, r in zip(sessions, reuse, strict=True) if r)
+        data = []
+        for layer, (k0, v0) in enumerate(some.layers):
+            keys = k0.new_zeros((len(reuse), k0.shape[0], width, k0.shape[2]))
+            values = v0.new_zeros((len(reuse), v0.shape[0], width, v0.shape[2]))
+            for i, (session, r) in enumerate(zip(sessions, reuse, strict=True)):
+                if r:
+                    k, v = self._store[session].layers[layer]
+                    keys[i, :, width - r:] = k[:, :r]
+                    values[i, :, width - r:] = v[:, :r]
+            data.append((keys, values))
+        return DynamicCache(ddp_cache_data=data)
+
+    def _keep(self, sessions: Sequence[Hashable], ids: Sequence[list[int]], mask: torch.Tensor,
+              cache: Any) -> None:
+        """Store each row's valid cache slots (``mask`` == 1) as its session's cache."""
+        layers = getattr(cache, "layers", None)
+        if not layers or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+            return  # not a plain full-attention cache: nothing is reused
+        for i, session in enumerate(sessions):
+            valid = mask[i].bool()
+            if int(valid.sum()) != len(ids[i]) or layers[0].keys.shape[2] != mask.shape[1]:
+                self._store.pop(session, None)
+                continue
+            self._store[session] = _Cached(ids[i], [
+                (layer.keys[i][:, valid].clone(), layer.values[i][:, valid].clone())
+                for layer in layers])
+
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Generation]:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
+                 sessions: Sequence[Hashable] | None = None) -> list[Generation]:
         if not prompts:
             return []
-        b, width = len(prompts), max(len(p) for p in prompts)
+        b = len(prompts)
+        reuse = self._reusable(prompts, sessions)
+        # Row layout: [pad, cached reuse_i | pad, new tokens], each part right-aligned.
+        past = max(reuse)
+        fresh = [list(p[r:]) for p, r in zip(prompts, reuse, strict=True)]
+        width = max(len(f) for f in fresh)
         ids = torch.full((b, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((b, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits, cache = self._forward(ids, mask, positions, None)
+        mask = torch.zeros((b, past + width), dtype=torch.long)
+        positions = torch.zeros((b, width), dtype=torch.long)
+        for i, (f, r) in enumerate(zip(fresh, reuse, strict=True)):
+            ids[i, width - len(f):] = torch.tensor(f, dtype=torch.long)
+            mask[i, past - r:past] = 1
+            mask[i, past + width - len(f):] = 1
+            positions[i, width - len(f):] = torch.arange(r, r + len(f))
+        ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
+        cache = self._past(sessions, reuse, past) if past else None  # type: ignore[arg-type]
+        self.stats["prompt_tokens_reused"] += sum(reuse)
+        self.stats["prompt_tokens_computed"] += sum(len(f) for f in fresh)
+        logits, cache = self._forward(ids, mask, positions, cache)
         stop = self.stop_ids.to(self.device)
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         tokens: list[torch.Tensor] = []
@@ -135,6 +239,7 @@ class HFGenerator:
             done |= is_stop
             if bool(done.all()):
                 break
+            # Every live token is fed back, so the cache ends holding prompt + response.
             mask = torch.cat([mask, (~done).long().unsqueeze(-1)], dim=-1)
             next_pos = next_pos + 1
             logits, cache = self._forward(choice.unsqueeze(-1), mask, next_pos.unsqueeze(-1), cache)
@@ -145,6 +250,10 @@ class HFGenerator:
             n = max(float(n_tokens[i]), 1.0)
             results.append(Generation(row, self.tokenizer.decode(row, skip_special_tokens=True),
                                       float(entropy_sum[i]) / n if row else 0.0))
+        if sessions is not None:
+            self._keep(sessions, [list(p) + g.token_ids for p, g in zip(prompts, results,
+                                                                        strict=True)],
+                       mask, cache)
         return results
 
 
@@ -152,11 +261,42 @@ class HFGenerator:
 class _Slot:
     task: Task
     sample: int
-    episode: Any
     system: str
-    observation: str
+    observation: str = ""
     turns: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: The response of the turn being stepped: prompt length, generation, parsed action.
+    pending: tuple[int, Generation, str | None] | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.task.task_id, self.sample)
+
+
+class _InProcess:
+    """Episodes stepped in this process, the same interface as
+    :class:`hisr_core.env_workers.EnvWorkers` (for fast environments)."""
+
+    def __init__(self, env: Environment) -> None:
+        self.env = env
+        self.episodes: dict[Hashable, Any] = {}
+
+    def start(self, items: Sequence[tuple[Hashable, Task]]) -> list[str]:
+        out = []
+        for key, task in items:
+            self.episodes[key] = self.env.start(task)
+            out.append(self.episodes[key].reset())
+        return out
+
+    def send_steps(self, items: Sequence[tuple[Hashable, str]]) -> dict[Hashable, StepResult]:
+        results = {key: self.episodes[key].step(action) for key, action in items}
+        for key, result in results.items():
+            if result.done:
+                del self.episodes[key]
+        return results
+
+    def receive_steps(self, ticket: dict[Hashable, StepResult]) -> dict[Hashable, StepResult]:
+        return ticket
 
 
 def play(
@@ -169,63 +309,96 @@ def play(
     samples_per_task: int = 1,
     policy: str = "",
     on_episode: Callable[[dict[str, Any]], None] | None = None,
+    workers: EnvWorkers | None = None,
 ) -> list[dict[str, Any]]:
     """Play every task ``samples_per_task`` times, ``batch_size`` episodes in lockstep.
+
+    With ``workers`` (slow environments) the episodes step in worker processes, and the batch
+    is split in two halves that alternate: while the workers step one half, the other half's
+    responses are generated. Without, episodes step in this process, one batch per turn.
 
     Returns one row per episode (contract ``episodes``), in task order then sample order.
     ``on_episode`` is called as each episode ends (progress bars).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    stepper: Any = workers if workers is not None else _InProcess(env)
+    n_groups = 2 if workers is not None and batch_size > 1 else 1
+    caps = [batch_size // n_groups + (g < batch_size % n_groups) for g in range(n_groups)]
     queue = [(t, s) for t in tasks for s in range(samples_per_task)]
     queue.reverse()
-    active: list[_Slot] = []
+    active: list[list[_Slot]] = [[] for _ in range(n_groups)]
+    tickets: list[Any] = [None] * n_groups
     finished: dict[tuple[str, int], dict[str, Any]] = {}
 
-    def refill() -> None:
-        while queue and len(active) < batch_size:
+    def refill(g: int) -> None:
+        new = []
+        while queue and len(active[g]) + len(new) < caps[g]:
             task, sample = queue.pop()
-            episode = env.start(task)
-            obs = episode.reset()
-            active.append(_Slot(task, sample, episode,
-                                system_text(task.instruction, env.command_grammar), obs))
+            new.append(_Slot(task, sample, system_text(task.instruction, env.command_grammar)))
+        if new:
+            for slot, obs in zip(new, stepper.start([(s.key, s.task) for s in new]),
+                                 strict=True):
+                slot.observation = obs
+            active[g].extend(new)
 
-    refill()
-    while active:
-        prompts = [builder.prompt(s.system, s.turns, s.observation) for s in active]
-        gens = generator.generate([p.input_ids for p in prompts], sampling)
+    def apply(g: int, results: dict[Hashable, StepResult]) -> None:
         still: list[_Slot] = []
-        for slot, prompt, gen in zip(active, prompts, gens, strict=True):
-            action = parse_action(gen.text)
-            result = slot.episode.step(action if action is not None else gen.text.strip())
+        for slot in active[g]:
+            assert slot.pending is not None
+            prompt_tokens, gen, action = slot.pending
+            result = results[slot.key]
             slot.records.append({
                 "observation": slot.observation, "response": gen.text,
                 "action": action or "", "admissible": result.admissible,
-                "parsed": action is not None, "prompt_tokens": len(prompt.input_ids),
+                "parsed": action is not None, "prompt_tokens": prompt_tokens,
                 "response_tokens": len(gen.token_ids),
                 "entropy": gen.entropy if math.isfinite(gen.entropy) else 0.0,
             })
             slot.turns.append((slot.observation, gen.text))
             slot.observation = result.observation
+            slot.pending = None
             if result.done:
-                row = _episode_row(slot, result.won, result.score, policy)
-                finished[(slot.task.task_id, slot.sample)] = row
+                generator.release(slot.key)
+                truncated = not result.won and len(slot.records) >= env.max_turns
+                row = _episode_row(slot, result.won, result.score, policy, truncated)
+                finished[slot.key] = row
                 if on_episode is not None:
                     on_episode(row)
             else:
                 still.append(slot)
-        active = still
-        refill()
+        active[g] = still
+
+    for g in range(n_groups):
+        refill(g)
+    while any(active):
+        for g in range(n_groups):
+            if tickets[g] is not None:
+                apply(g, stepper.receive_steps(tickets[g]))
+                tickets[g] = None
+                refill(g)
+            if not active[g]:
+                continue
+            prompts = [builder.prompt(s.system, s.turns, s.observation) for s in active[g]]
+            gens = generator.generate([p.input_ids for p in prompts], sampling,
+                                      [s.key for s in active[g]])
+            steps = []
+            for slot, prompt, gen in zip(active[g], prompts, gens, strict=True):
+                action = parse_action(gen.text)
+                slot.pending = (len(prompt.input_ids), gen, action)
+                steps.append((slot.key, action if action is not None else gen.text.strip()))
+            tickets[g] = stepper.send_steps(steps)
     return [finished[(t.task_id, s)] for t in tasks for s in range(samples_per_task)]
 
 
-def _episode_row(slot: _Slot, won: bool, score: float, policy: str) -> dict[str, Any]:
+def _episode_row(slot: _Slot, won: bool, score: float, policy: str,
+                 truncated: bool) -> dict[str, Any]:
     t = slot.task
     return {
         "task_id": t.task_id, "env": t.env, "split": t.split, "task_type": t.task_type,
         "instruction": t.instruction, "sample": slot.sample, "policy": policy,
         "turns": slot.records, "n_turns": len(slot.records), "won": bool(won),
-        "score": float(score), "final_observation": slot.observation,
+        "score": float(score), "truncated": truncated, "final_observation": slot.observation,
     }
 
 

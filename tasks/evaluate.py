@@ -6,25 +6,16 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
-from tqdm.auto import tqdm
 
 from hisr_core import contracts
 from hisr_core.config import Params
 from hisr_core.envs import Task, environment_class, make_environment
-from hisr_core.models import load_model, load_tokenizer
-from hisr_core.prompts import PromptBuilder
-from hisr_core.rollout import HFGenerator, Sampling, play, success_table
-from hisr_core.training import resolve_dtype
+from hisr_core.rollout import Sampling, success_table
+from tasks.rollout import open_generator, play_with_progress
 
 
 def task_types(env_name: str) -> list[str]:
     return list(environment_class(env_name).task_types)
-
-
-def device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @task(name="evaluate-split")
@@ -35,22 +26,10 @@ def evaluate_split(params: Params, model_dir: Path, split: str, tasks_path: Path
     tasks = [Task.from_row(r) for r in contracts.read_rows(tasks_path, "tasks")]
     if params.evaluate.n_tasks is not None:
         tasks = tasks[: params.evaluate.n_tasks]
-    tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir, dtype=resolve_dtype(params.model.dtype)).to(device())
-    builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
-    generator = HFGenerator(model, tokenizer, builder.stop_ids)
-    sampling = Sampling(temperature=0.0, max_new_tokens=params.evaluate.max_new_tokens)
-    with tqdm(total=len(tasks), desc=f"evaluate {policy} {split}", unit="ep", mininterval=2) as bar:
-        wins = 0
-
-        def tick(row: dict[str, Any]) -> None:
-            nonlocal wins
-            wins += row["won"]
-            bar.update()
-            bar.set_postfix(success=f"{wins / bar.n:.3f}")
-
-        rows = play(env, tasks, generator, builder, sampling, params.evaluate.batch_size,
-                    policy=policy, on_episode=tick)
+    sampling = Sampling(temperature=0.0, max_new_tokens=params.rollout.max_new_tokens)
+    with open_generator(params, model_dir) as (generator, builder):
+        rows = play_with_progress(params, env, tasks, generator, builder, sampling, 1, policy,
+                                  f"evaluate {policy} {split}")
     contracts.write_rows(rows, out, "episodes")
     table = success_table(rows, env.task_types)
     table["mean_turns"] = sum(r["n_turns"] for r in rows) / max(len(rows), 1)

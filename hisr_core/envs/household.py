@@ -71,11 +71,11 @@ from hisr_core.react import format_response
 
 #: Receptacle types in canonical (listing) order with their instance-count range.
 RECEPTACLE_COUNTS: dict[str, tuple[int, int]] = {
-    "cabinet": (1, 5),
-    "drawer": (1, 4),
-    "countertop": (1, 2),
-    "shelf": (0, 2),
-    "stoveburner": (1, 2),
+    "cabinet": (1, 2),
+    "drawer": (1, 2),
+    "countertop": (1, 1),
+    "shelf": (0, 1),
+    "stoveburner": (1, 1),
     "desk": (0, 1),
     "sidetable": (0, 1),
     "diningtable": (1, 1),
@@ -93,7 +93,7 @@ CONTAINER_TYPES: frozenset[str] = frozenset(
     {"cabinet", "drawer", "fridge", "microwave", "sinkbasin", "garbagecan", "coffeemachine",
      "toaster"}
 )
-MIN_RECEPTACLES, MAX_RECEPTACLES = 10, 20
+MIN_RECEPTACLES, MAX_RECEPTACLES = 10, 15
 
 #: Where each object type is usually found, most likely first. Objects are placed only on these
 #: types, with weights PRIOR_WEIGHTS by rank among the types present in the room.
@@ -130,7 +130,7 @@ PRIORS: dict[str, tuple[str, ...]] = {
     "statue": ("shelf", "sidetable", "desk", "diningtable"),
     "desklamp": ("desk", "sidetable"),
 }
-PRIOR_WEIGHTS: tuple[int, ...] = (5, 4, 3, 2, 1, 1)
+PRIOR_WEIGHTS: tuple[int, ...] = (8, 4, 2, 1, 1, 1)
 LAMP = "desklamp"
 OBJECT_TYPES: tuple[str, ...] = tuple(t for t in PRIORS if t != LAMP)
 
@@ -327,7 +327,7 @@ def generate_spec(split: str, task_type: str, seed: int) -> dict[str, Any]:
     placed: list[tuple[str, str]] = [(obj, place(obj, target)) for _ in range(n_goal)]
     placed.append((LAMP, place(LAMP, "")))
     others = [o for o in OBJECT_TYPES if o != obj]
-    for other in rng.sample(others, rng.randint(5, 8)):
+    for other in rng.sample(others, rng.randint(3, 5)):
         for _ in range(1 + (rng.random() < 0.3)):
             placed.append((other, place(other, "")))
     # Shuffle so the goal object is not always listed first where it lies.
@@ -681,13 +681,15 @@ _PLAN = (
     "The task requires me to {steps}.",
     "I should {steps}.",
 )
+# Search thoughts list every likely place still unchecked, in order, so the next place to go
+# is always the first of a list in a recent thought (a copy, not a recall from the first turn).
 _FIRST_SEARCH = (
-    ("First I need to find {a_x}. {A_x} is more likely to appear in {where}. "
+    ("First I need to find {a_x}. The likely places are {left}. "
      "I can check one by one, starting with {r}."),
-    "First, I look for {a_x}; it is usually in {where}. I will start with {r}.",
-    "To begin, I need {a_x}. Likely places are {where}, so I go to {r} first.",
+    "First, I look for {a_x}; it is usually in {left}. I will start with {r}.",
+    "To begin, I need {a_x}. Likely places are {left}, so I go to {r} first.",
 )
-_CLOSED = ("The {r} is closed.", "{R} is closed.", "The {r} is shut.")
+_CLOSED = ("The {r} is closed.", "I find the {r} closed.", "The {r} is shut.")
 _NOTHING_HERE = (
     "The {r} has nothing useful.",
     "There is no {x} {prep} the {r}.",
@@ -697,10 +699,9 @@ _NOTHING_HERE = (
 _EMPTY_HERE = ("The {r} is empty.", "There is nothing {prep} the {r}.", "Nothing here.")
 # Search steps name what is searched for, so the sub-goal is always in the latest thought.
 _NEXT_CHECK = (
-    "Next I will check {r} for {a_x}.",
-    "Let me look for {a_x} in {r} next.",
-    "{R} is the next place to look for {a_x}.",
-    "I will go to {r} to find {a_x}.",
+    "Places left to check for {a_x}: {left}. Next I will check {r}.",
+    "I still need to check {left} for {a_x}. Let me look in {r} next.",
+    "Remaining places for {a_x}: {left}. I will go to {r}.",
 )
 _FALLBACK_CHECK = (
     "I have checked the likely places, so I will look for {a_x} in {r}.",
@@ -735,7 +736,7 @@ _GO_TARGET = (
 )
 _OPEN_TARGET = ("The {y1} is closed, so I will open it first.",
                 "I must open {y1} before putting anything in it.",
-                "{Y1} is closed; let me open it.")
+                "The {y1} is shut; let me open it.")
 _PUT_IT = ("Now I put the {x} {prep} {y1}.", "I will put {x} {prep} {y1}.",
            "Let me put the {x} {prep} the {y1}.")
 _PUT_DONE = ("I put {x} {prep} {y1}.", "Now {x} is {prep} {y1}.", "The first {kind} is placed.")
@@ -745,9 +746,10 @@ _SECOND_KNOWN = (
     "For the second {kind}, I go back to {r}, where I saw {x2}.",
 )
 _SECOND_SEARCH = (
-    "Next, I need to find a second {kind}. I have not seen another one yet; next is {r}.",
-    "Now I need another {kind}. I will keep searching, starting with {r}.",
-    "I still need a second {kind}, so I continue with {r}.",
+    ("Next, I need to find a second {kind}. I have not seen another one yet; places left to "
+     "check: {left}. Next is {r}."),
+    "Now I need another {kind}. I will keep searching {left}, starting with {r}.",
+    "I still need a second {kind}, so I continue with {left}, first {r}.",
 )
 _GO_BACK = ("I will go back to {r} to take {x}.", "Let me return to {r} for {x}.")
 _LAMP_KNOWN = (
@@ -755,9 +757,9 @@ _LAMP_KNOWN = (
     "Now I go to {r}, where I saw {lamp}.",
 )
 _LAMP_SEARCH = (
-    ("Next, I need to find a desklamp. A desklamp is more likely to appear in {where}. "
+    ("Next, I need to find a desklamp. The likely places are {left}. "
      "I will check {r}."),
-    "Now I need a desklamp; it is usually in {where}. Let me try {r}.",
+    "Now I need a desklamp; it is usually in {left}. Let me try {r}.",
 )
 _USE_LAMP = ("Now I find {lamp}. Next, I need to turn it on.",
              "I will turn on {lamp} while holding the {x}.",
@@ -770,18 +772,6 @@ def _a(word: str) -> str:
 
 def _prep(rtype: str) -> str:
     return "in" if rtype in CONTAINER_TYPES else "on"
-
-
-def _where(room: _Room, types: Sequence[str]) -> str:
-    """ALFWorld's "cabinet (1-4), fridge (1)" listing of the receptacle types present."""
-    parts = []
-    for t in types:
-        n = room.rtypes.count(t)
-        if n == 1:
-            parts.append(f"{t} (1)")
-        elif n > 1:
-            parts.append(f"{t} (1-{n})")
-    return ", ".join(parts)
 
 
 class _Expert:
@@ -804,10 +794,8 @@ class _Expert:
         self.seen: dict[int, list[int]] = {}
         self.last: tuple[int, int] | None = None
         prior = [t for t in PRIORS[self.x] if t != self.y]
-        self.x_prior_types = [t for t in prior if t in room.rtypes]
         self.x_order = self._order(prior)
         self.n_prior_x = sum(room.rtypes.count(t) for t in prior)
-        self.lamp_prior_types = [t for t in PRIORS[LAMP] if t in room.rtypes]
         self.lamp_order = self._order(PRIORS[LAMP])
         self.n_prior_lamp = sum(room.rtypes.count(t) for t in PRIORS[LAMP])
         self.y1 = next((i for i in range(n) if room.rtypes[i] == self.y), -1)
@@ -826,10 +814,7 @@ class _Expert:
         return first + rest + last
 
     def _pick(self, options: Sequence[str], **kw: str) -> str:
-        text = options[self.rng.randrange(len(options))]
-        kw = {**kw, **{k[0].upper() + k[1:]: v[0].upper() + v[1:] for k, v in kw.items()
-                       if k and v and k[0].islower()}}
-        return text.format(**kw)
+        return options[self.rng.randrange(len(options))].format(**kw)
 
     # ---- what the agent knows ------------------------------------------------------------
     def _observe(self) -> bool:
@@ -966,10 +951,11 @@ class _Expert:
             r = self._next_unseen(self.lamp_order)
             if self.last is not None and self.last[0] == _TAKE:
                 say.append(self._pick(_LAMP_SEARCH, r=room.rnames[r],
-                                      where=_where(room, self.lamp_prior_types)))
+                                      left=self._left(self.lamp_order, self.n_prior_lamp)))
             else:
                 say.append(self._pick(self._check_opts(r, self.lamp_order, self.n_prior_lamp),
-                                      r=room.rnames[r], a_x=_a(LAMP)))
+                                      r=room.rnames[r], a_x=_a(LAMP),
+                                      left=self._left(self.lamp_order, self.n_prior_lamp)))
             return self._go(r)
 
         hname = room.onames[held]
@@ -996,6 +982,10 @@ class _Expert:
         self.last_put = held
         self.placed += 1
         return f"put {hname} in/on {y1}"
+
+    def _left(self, order: Sequence[int], n_prior: int) -> str:
+        """The likely places (the first ``n_prior`` of ``order``) not yet seen, in order."""
+        return ", ".join(self.room.rnames[r] for r in order[:n_prior] if r not in self.seen)
 
     def _check_opts(self, r: int, order: Sequence[int], n_prior: int) -> tuple[str, ...]:
         return _NEXT_CHECK if order.index(r) < n_prior else _FALLBACK_CHECK
@@ -1028,14 +1018,15 @@ class _Expert:
             self.last = (_OPEN, loc)
             return f"open {room.rnames[loc]}"
         r = self._next_unseen(self.x_order)
+        left = self._left(self.x_order, self.n_prior_x)
         if self.last is None:
-            say.append(self._pick(_FIRST_SEARCH, a_x=_a(x), r=room.rnames[r],
-                                  where=_where(room, self.x_prior_types)))
+            say.append(self._pick(_FIRST_SEARCH, a_x=_a(x), r=room.rnames[r], left=left))
         elif after_put:
-            say.append(self._pick(_SECOND_SEARCH, kind=x, r=room.rnames[r]))
+            say.append(self._pick(_SECOND_SEARCH if left else _FALLBACK_CHECK, kind=x,
+                                  r=room.rnames[r], a_x=_a(x), left=left))
         else:
             say.append(self._pick(self._check_opts(r, self.x_order, self.n_prior_x),
-                                  r=room.rnames[r], a_x=_a(x)))
+                                  r=room.rnames[r], a_x=_a(x), left=left))
         return self._go(r)
 
 

@@ -32,7 +32,8 @@ def _params(mlflow_uri, experiment, model, **sft):
         "expert": {"n_train": 24, "n_valid_seen": 6, "n_valid_unseen": 6},
         "model": {"name_or_path": model, "max_tokens": 1024},
         "sft": {"max_steps": 3, "micro_batch_size": 4, "log_every": 1, "backend": "torch", **sft},
-        "evaluate": {"n_tasks": 4, "batch_size": 4, "max_new_tokens": 24},
+        "evaluate": {"n_tasks": 4},
+        "rollout": {"batch_size": 4, "max_new_tokens": 24},
         "tracking": {"mlflow_uri": mlflow_uri, "experiment": experiment},
     }
 

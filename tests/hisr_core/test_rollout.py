@@ -44,7 +44,7 @@ class ReplayExpert:
     def __init__(self, env, tasks, tokenizer, builder, broken=()):
         self.by_prompt = {}
         self.tokenizer, self.builder = tokenizer, builder
-        self.calls = []
+        self.calls, self.released = [], []
         from hisr_core.prompts import system_text
         for t in tasks:
             ep = env.expert_play(t)
@@ -55,13 +55,17 @@ class ReplayExpert:
                 self.by_prompt[key] = "Thought: hmm" if t.task_id in broken else x.response
                 turns.append((x.observation, x.response))
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, sessions=None):
+        assert sessions is not None and len(set(sessions)) == len(prompts)
         self.calls.append(len(prompts))
         out = []
         for p in prompts:
             text = self.by_prompt.get(tuple(p), "Thought: lost")
             out.append(Generation(self.tokenizer(text)["input_ids"], text, 0.5))
         return out
+
+    def release(self, session):
+        self.released.append(session)
 
 
 def test_lockstep_play_records_every_turn_and_refills(env, tokenizer):
@@ -85,6 +89,39 @@ def test_lockstep_play_records_every_turn_and_refills(env, tokenizer):
     contracts.to_table(rows, "episodes")  # rows fit the contract
 
 
+def test_env_workers_play_the_same_episodes(env, tokenizer):
+    from hisr_core.env_workers import EnvWorkers
+
+    tasks = env.make_tasks("valid_seen", 7, 0)
+    builder = PromptBuilder(tokenizer)
+    backend = ReplayExpert(env, tasks, tokenizer, builder, broken={tasks[2].task_id})
+    here = play(env, tasks, backend, builder, Sampling(), batch_size=4)
+    backend.calls.clear()
+    with EnvWorkers("household", env.max_turns, {}, 2) as workers:
+        there = play(env, tasks, backend, builder, Sampling(), batch_size=4, workers=workers)
+        assert not workers._owner, "finished episodes leave their worker"
+    assert there == here
+    assert max(backend.calls) == 2, "two halves of the batch alternate"
+
+
+def test_env_worker_failure_names_the_worker(env):
+    from hisr_core.env_workers import EnvWorkers
+
+    task = env.make_tasks("valid_seen", 1, 0)[0]
+    with EnvWorkers("household", env.max_turns, {}, 1) as workers:
+        [obs] = workers.start([("a", task)])
+        assert obs.startswith("You are in the middle of a room.")
+        result = workers.receive_steps(workers.send_steps([("a", "look")]))["a"]
+        assert result.observation.startswith("You are in the middle") and not result.done
+        workers._owner["ghost"] = 0  # an episode the worker never started
+        with pytest.raises(RuntimeError, match="environment worker 0 failed:(.|\n)*KeyError"):
+            workers.receive_steps(workers.send_steps([("ghost", "look")]))
+        workers._procs[0].kill()
+        workers._procs[0].join()
+        with pytest.raises(RuntimeError, match="environment worker 0 died"):
+            workers.receive_steps(workers.send_steps([("a", "look")]))
+
+
 def test_batched_greedy_equals_one_at_a_time(tokenizer):
     model = peaky_model(tokenizer)
     gen = HFGenerator(model, tokenizer, stop_ids=[tokenizer.eos_token_id])
@@ -102,6 +139,54 @@ def test_batched_greedy_equals_one_at_a_time(tokenizer):
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     ref_new = [t for t in ref[0, len(prompts[0]):].tolist() if t != tokenizer.eos_token_id]
     assert single[0].token_ids == ref_new[: len(single[0].token_ids)]
+
+
+class NoSessions:
+    """The same backend with its cross-turn cache turned off (every prompt computed whole)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def generate(self, prompts, sampling, sessions=None):
+        return self.inner.generate(prompts, sampling)
+
+    def release(self, session):
+        pass
+
+
+def test_session_cache_gives_the_same_tokens(tokenizer):
+    model = peaky_model(tokenizer, seed=1)
+    s = Sampling(temperature=0.0, max_new_tokens=10)
+    gen = HFGenerator(model, tokenizer, stop_ids=[tokenizer.eos_token_id])
+    first = [tokenizer("You arrive at cabinet 1.")["input_ids"],
+             tokenizer("You are in the middle of a room.")["input_ids"]]
+    out = gen.generate(first, s, sessions=["a", "b"])
+    more = tokenizer(" Nothing happens. You see a mug 1.")["input_ids"]
+    second = [first[0] + out[0].token_ids + more,
+              first[1][:3] + more]  # shares only 3 tokens with session b's cache
+    cached = gen.generate(second, s, sessions=["a", "b"])
+    assert gen.stats["prompt_tokens_reused"] == len(first[0]) + len(out[0].token_ids) + 3
+    fresh = HFGenerator(model, tokenizer, stop_ids=[tokenizer.eos_token_id]).generate(second, s)
+    assert [g.token_ids for g in cached] == [g.token_ids for g in fresh]
+    gen.release("a")
+    gen.release("b")
+    assert not gen._store
+
+
+def test_play_with_and_without_session_cache_agree(tokenizer):
+    env = make_environment("household", max_turns=4)
+    tasks = env.make_tasks("valid_seen", 5, 0)
+    builder = PromptBuilder(tokenizer, max_tokens=640)  # later turns drop old ones
+    s = Sampling(temperature=0.0, max_new_tokens=16)
+    model = peaky_model(tokenizer, seed=2)
+    cached = HFGenerator(model, tokenizer, builder.stop_ids)
+    a = play(env, tasks, cached, builder, s, batch_size=3)
+    b = play(env, tasks, NoSessions(HFGenerator(model, tokenizer, builder.stop_ids)), builder, s,
+             batch_size=3)
+    assert [[t["response"] for t in r["turns"]] for r in a] == \
+        [[t["response"] for t in r["turns"]] for r in b]
+    assert cached.stats["prompt_tokens_reused"] > cached.stats["prompt_tokens_computed"]
+    assert not cached._store, "finished episodes release their cache"
 
 
 def test_sampling_is_seeded(tokenizer):

@@ -1,0 +1,99 @@
+"""Env-steps/s of the episode engine (``hf`` backend) with B episodes in lockstep against one
+episode at a time, on household tasks, measured in one run. Prints one JSON object (and writes
+it with ``--out``).
+
+    python benchmarks/rollout_speed.py --model data/sft/pi_ref --batch 32 --episodes 64
+
+Sampling as in collection (temperature 1.0). ``--model`` defaults to ``data/sft/pi_ref`` when it
+exists, else a freshly built (untrained) ``builtin:small``. Each setting plays its own episode
+count (B=1 fewer, it is slower); the figure compared is env steps per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+try:
+    import hisr_core  # noqa: F401
+except ImportError:  # run from a checkout without installing the package
+    sys.path.insert(0, str(ROOT))
+
+
+def _model_dir(arg: str | None, tmp: Path) -> Path:
+    if arg:
+        return Path(arg)
+    default = ROOT / "data" / "sft" / "pi_ref"
+    if (default / "config.json").is_file():
+        return default
+    from hisr_core.envs import make_environment
+    from hisr_core.models import build_builtin
+
+    env = make_environment("household", 40)
+    texts = []
+    for t in env.make_tasks("train", 200, 0):
+        texts += [x.observation + "\n" + x.response for x in env.expert_play(t).turns]
+    return build_builtin("builtin:small", texts, 0, tmp / "small")
+
+
+def measure(model_dir: Path, batch: int, episodes: int, seed: int, threads: int) -> dict:
+    import torch
+
+    from hisr_core.envs import make_environment
+    from hisr_core.models import load_model, load_tokenizer
+    from hisr_core.prompts import PromptBuilder
+    from hisr_core.rollout import HFGenerator, Sampling, play
+
+    torch.set_num_threads(threads)
+    env = make_environment("household", 40)
+    tasks = env.make_tasks("valid_seen", episodes, seed)
+    tokenizer = load_tokenizer(model_dir)
+    builder = PromptBuilder(tokenizer, None, 2048)
+    gen = HFGenerator(load_model(model_dir), tokenizer, builder.stop_ids, seed=seed)
+    start = time.perf_counter()
+    rows = play(env, tasks, gen, builder, Sampling(temperature=1.0), batch_size=batch)
+    seconds = time.perf_counter() - start
+    steps = sum(r["n_turns"] for r in rows)
+    tokens = sum(t["response_tokens"] for r in rows for t in r["turns"])
+    return {"batch": batch, "episodes": len(rows), "env_steps": steps,
+            "seconds": round(seconds, 2), "env_steps_per_s": round(steps / seconds, 2),
+            "generated_tokens_per_s": round(tokens / seconds, 1),
+            "success": round(sum(r["won"] for r in rows) / len(rows), 3), **gen.stats}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--episodes", type=int, default=64, help="episodes at --batch")
+    parser.add_argument("--single-episodes", type=int, default=6, help="episodes at B=1")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = _model_dir(args.model, Path(tmp))
+        single = measure(model_dir, 1, args.single_episodes, args.seed, args.threads)
+        batched = measure(model_dir, args.batch, args.episodes, args.seed, args.threads)
+    result = {
+        "benchmark": "rollout_speed", "env": "household", "backend": "hf",
+        "model": str(model_dir.relative_to(ROOT) if model_dir.is_relative_to(ROOT) else "builtin:small"),
+        "single": single, "batched": batched,
+        "speedup": round(batched["env_steps_per_s"] / single["env_steps_per_s"], 2),
+        "python": platform.python_version(), "threads": args.threads,
+    }
+    text = json.dumps(result)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
