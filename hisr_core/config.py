@@ -208,7 +208,7 @@ class CollectParams(Section):
     seed: int = Field(0, ge=0)
     """Sampling seed (same seed and ``hf`` backend: identical ``D_ct``)."""
 
-    n_tasks: int | None = Field(100, ge=1)
+    n_tasks: int | None = Field(50, ge=1)
     """The first ``n_tasks`` training tasks (``null``: all)."""
 
     samples_per_task: int = Field(4, ge=1)
