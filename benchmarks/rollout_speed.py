@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
         batched = measure(model_dir, args.batch, args.episodes, args.seed, args.threads)
     result = {
         "benchmark": "rollout_speed", "env": "household", "backend": "hf",
-        "model": str(model_dir.relative_to(ROOT) if model_dir.is_relative_to(ROOT) else "builtin:small"),
+        "model": (str(model_dir.resolve().relative_to(ROOT))
+                  if model_dir.resolve().is_relative_to(ROOT) else "builtin:small (untrained)"),
         "single": single, "batched": batched,
         "speedup": round(batched["env_steps_per_s"] / single["env_steps_per_s"], 2),
         "python": platform.python_version(), "threads": args.threads,

@@ -119,6 +119,8 @@ class HFGenerator:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._keep_arg = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._store: dict[Hashable, _Cached] = {}
+        # A preallocated cache for models that support one (see _cache).
+        self._static = bool(getattr(model, "_can_compile_fullgraph", False))
         #: Prompt tokens computed, and taken from a session's cache, so far.
         self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_reused": 0}
 
@@ -163,38 +165,53 @@ class HFGenerator:
                        min(_common_prefix(entry.ids, prompt), len(prompt) - 1))
         return out
 
-    def _past(self, sessions: Sequence[Hashable], reuse: Sequence[int], width: int) -> Any:
-        """A batched cache of ``width`` slots: row i holds its session's first ``reuse[i]``
-        cached positions right-aligned, zeros (masked) before them."""
-        from transformers import DynamicCache
+    def _cache(self, sessions: Sequence[Hashable] | None, reuse: Sequence[int], past: int,
+               total: int) -> Any:
+        """The batch's KV cache, ``past`` slots filled: row i holds its session's first
+        ``reuse[i]`` cached positions right-aligned, zeros (masked) before them.
 
-        some = next(self._store[s] for s, r in zip(sessions, reuse, strict=True) if r)
+        Models that support it get a static cache of ``total`` slots, written in place as
+        tokens are generated (a dynamic cache concatenates every layer's keys and values at
+        every step: its cost grows with batch x context x steps). Others get a dynamic cache.
+        """
+        from transformers import DynamicCache, StaticCache
+
         data = []
-        for layer, (k0, v0) in enumerate(some.layers):
-            keys = k0.new_zeros((len(reuse), k0.shape[0], width, k0.shape[2]))
-            values = v0.new_zeros((len(reuse), v0.shape[0], width, v0.shape[2]))
-            for i, (session, r) in enumerate(zip(sessions, reuse, strict=True)):
-                if r:
-                    k, v = self._store[session].layers[layer]
-                    keys[i, :, width - r:] = k[:, :r]
-                    values[i, :, width - r:] = v[:, :r]
-            data.append((keys, values))
-        return DynamicCache(ddp_cache_data=data)
+        if past:
+            assert sessions is not None
+            some = next(self._store[s] for s, r in zip(sessions, reuse, strict=True) if r)
+            for layer, (k0, v0) in enumerate(some.layers):
+                keys = k0.new_zeros((len(reuse), k0.shape[0], past, k0.shape[2]))
+                values = v0.new_zeros((len(reuse), v0.shape[0], past, v0.shape[2]))
+                for i, (session, r) in enumerate(zip(sessions, reuse, strict=True)):
+                    if r:
+                        k, v = self._store[session].layers[layer]
+                        keys[i, :, past - r:] = k[:, :r]
+                        values[i, :, past - r:] = v[:, :r]
+                data.append((keys, values))
+        if not self._static:
+            return DynamicCache(ddp_cache_data=data) if data else None
+        cache = StaticCache(config=self.model.config, max_cache_len=total)
+        for layer, (keys, values) in zip(cache.layers, data, strict=False):
+            layer.update(keys, values)
+        return cache
 
     def _keep(self, sessions: Sequence[Hashable], ids: Sequence[list[int]], mask: torch.Tensor,
               cache: Any) -> None:
         """Store each row's valid cache slots (``mask`` == 1) as its session's cache."""
         layers = getattr(cache, "layers", None)
-        if not layers or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+        kinds = {"DynamicLayer", "StaticLayer"}
+        if not layers or any(type(layer).__name__ not in kinds for layer in layers):
             return  # not a plain full-attention cache: nothing is reused
         for i, session in enumerate(sessions):
             valid = mask[i].bool()
-            if int(valid.sum()) != len(ids[i]) or layers[0].keys.shape[2] != mask.shape[1]:
+            if int(valid.sum()) != len(ids[i]) or layers[0].keys.shape[2] < mask.shape[1]:
                 self._store.pop(session, None)
                 continue
+            width = mask.shape[1]
             self._store[session] = _Cached(ids[i], [
-                (layer.keys[i][:, valid].clone(), layer.values[i][:, valid].clone())
-                for layer in layers])
+                (layer.keys[i][:, :width][:, valid].clone(),
+                 layer.values[i][:, :width][:, valid].clone()) for layer in layers])
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
@@ -216,7 +233,12 @@ class HFGenerator:
             mask[i, past + width - len(f):] = 1
             positions[i, width - len(f):] = torch.arange(r, r + len(f))
         ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
-        cache = self._past(sessions, reuse, past) if past else None  # type: ignore[arg-type]
+        total = past + width + sampling.max_new_tokens
+        cache = self._cache(sessions, reuse, past, total)
+        if self._static:
+            # The mask spans every slot of the static cache; slot t opens when it is written.
+            mask = torch.cat([mask, mask.new_zeros((b, total - mask.shape[1]))], dim=-1)
+        filled = past + width
         self.stats["prompt_tokens_reused"] += sum(reuse)
         self.stats["prompt_tokens_computed"] += sum(len(f) for f in fresh)
         logits, cache = self._forward(ids, mask, positions, cache)
@@ -240,7 +262,11 @@ class HFGenerator:
             if bool(done.all()):
                 break
             # Every live token is fed back, so the cache ends holding prompt + response.
-            mask = torch.cat([mask, (~done).long().unsqueeze(-1)], dim=-1)
+            if self._static:
+                mask[:, filled] = (~done).long()
+            else:
+                mask = torch.cat([mask, (~done).long().unsqueeze(-1)], dim=-1)
+            filled += 1
             next_pos = next_pos + 1
             logits, cache = self._forward(choice.unsqueeze(-1), mask, next_pos.unsqueeze(-1), cache)
         grid = torch.stack(tokens, dim=1).cpu() if tokens else torch.empty((b, 0), dtype=torch.long)
@@ -253,7 +279,7 @@ class HFGenerator:
         if sessions is not None:
             self._keep(sessions, [list(p) + g.token_ids for p, g in zip(prompts, results,
                                                                         strict=True)],
-                       mask, cache)
+                       mask[:, :filled], cache)
         return results
 
 

@@ -154,10 +154,12 @@ class NoSessions:
         pass
 
 
-def test_session_cache_gives_the_same_tokens(tokenizer):
+@pytest.mark.parametrize("static", [True, False], ids=["static-cache", "dynamic-cache"])
+def test_session_cache_gives_the_same_tokens(tokenizer, static):
     model = peaky_model(tokenizer, seed=1)
     s = Sampling(temperature=0.0, max_new_tokens=10)
     gen = HFGenerator(model, tokenizer, stop_ids=[tokenizer.eos_token_id])
+    gen._static = static  # models without static-cache support take the dynamic path
     first = [tokenizer("You arrive at cabinet 1.")["input_ids"],
              tokenizer("You are in the middle of a room.")["input_ids"]]
     out = gen.generate(first, s, sessions=["a", "b"])
