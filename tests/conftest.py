@@ -28,6 +28,23 @@ def _clean_env() -> dict[str, str]:
             if not k.startswith(("PREFECT_", "MLFLOW_", "HISR_"))}
 
 
+def wait_for_http(url: str, proc: subprocess.Popen, timeout: float, log: Path,
+                  what: str) -> None:
+    """Wait until ``url`` answers 200; fail with the end of ``log`` if ``proc`` exits first or
+    ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start:\n" + log.read_text()[-4000:])
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory):
     """A real ``prefect server`` on 127.0.0.1 for the session (flows then start in seconds
@@ -43,18 +60,7 @@ def prefect_api(tmp_path_factory):
          "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/api"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("prefect server did not start:\n"
-                                   + (home / "server.log").read_text()[-2000:])
-            time.sleep(0.5)
+        wait_for_http(f"{url}/health", server, 180, home / "server.log", "prefect server")
         yield {"PREFECT_HOME": str(home), "PREFECT_API_URL": url}
     finally:
         server.terminate()

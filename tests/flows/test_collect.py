@@ -149,10 +149,8 @@ def test_collect_through_a_real_vllm_server(setup, tmp_path, run_module, mlflow_
     import os
     import signal
     import subprocess
-    import time
-    import urllib.request
 
-    from tests.conftest import ROOT
+    from tests.conftest import ROOT, wait_for_http
 
     proc = subprocess.run(["bash", "scripts/vllm_env.sh"], cwd=ROOT, capture_output=True,
                           text=True, timeout=1800, check=False)
@@ -165,17 +163,8 @@ def test_collect_through_a_real_vllm_server(setup, tmp_path, run_module, mlflow_
                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                               start_new_session=True)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("vLLM server did not start:\n" + (tmp_path / "vllm.log").read_text()[-4000:])
-            time.sleep(2)
+        wait_for_http(f"http://127.0.0.1:{port}/v1/models", server, 600, tmp_path / "vllm.log",
+                      "vLLM server")
         params, data = _params(setup, tmp_path, mlflow_uri, experiment, backend="openai",
                                openai={"base_url": f"http://127.0.0.1:{port}/v1"})
         proc = run_module("flows.collect", "--model", str(model_dir), "--params", str(params),
