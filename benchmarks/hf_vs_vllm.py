@@ -14,7 +14,6 @@ names one already serving ``--served-name``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import signal
@@ -24,6 +23,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from _emit import emit  # benchmarks/, on the path when a benchmark runs as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 try:
@@ -125,11 +126,7 @@ def main(argv: list[str] | None = None) -> None:
               "vllm": vllm, "hf_over_vllm": round(hf["tokens_per_s"] / vllm["tokens_per_s"], 3),
               "device": "cuda" if torch.cuda.is_available() else "cpu",
               "python": platform.python_version()}
-    text = json.dumps(result)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,13 @@ count (B=1 fewer, it is slower); the figure compared is env steps per second.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _emit import emit  # benchmarks/, on the path when a benchmark runs as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 try:
@@ -89,11 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         "speedup": round(batched["env_steps_per_s"] / single["env_steps_per_s"], 2),
         "python": platform.python_version(), "threads": args.threads,
     }
-    text = json.dumps(result)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":
