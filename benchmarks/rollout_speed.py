@@ -56,7 +56,8 @@ def measure(model_dir: Path, batch: int, episodes: int, seed: int, threads: int)
     tasks = env.make_tasks("valid_seen", episodes, seed)
     tokenizer = load_tokenizer(model_dir)
     builder = PromptBuilder(tokenizer, None, 2048)
-    gen = HFGenerator(load_model(model_dir), tokenizer, builder.stop_ids, seed=seed)
+    gen = HFGenerator(load_model(model_dir), tokenizer, builder.stop_ids, seed=seed,
+                      max_rows=batch)
     start = time.perf_counter()
     rows = play(env, tasks, gen, builder, Sampling(temperature=1.0), batch_size=batch)
     seconds = time.perf_counter() - start

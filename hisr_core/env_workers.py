@@ -4,7 +4,7 @@ ALFWorld takes 0.1-0.2 s a step; B episodes stepped one after another would leav
 generator idle for seconds every turn. Here each worker process holds some of the episodes
 (assigned round-robin as they start); a batch of steps is sent to every worker at once and
 read back later, so the workers step in parallel with each other and, in
-:func:`hisr_core.rollout.play`, with the generation of the other half of the batch.
+:func:`hisr_core.rollout.play`, with the generation of the other episodes.
 
 The worker builds its own environment from the registry name and options; a task travels as
 its ``tasks`` row. A worker that dies or raises is reported with the task it was stepping.
@@ -114,15 +114,19 @@ class EnvWorkers:
     def _died(self, w: int) -> RuntimeError:
         return RuntimeError(f"environment worker {w} died (exit code {self._procs[w].exitcode})")
 
+    def _pull(self, w: int) -> None:
+        """Read worker ``w``'s next answer into the answers kept for their turn."""
+        try:
+            got, status, payload = self._conns[w].recv()
+        except (EOFError, OSError) as exc:
+            raise self._died(w) from exc
+        self._early[(w, got)] = (status, payload)
+
     def _recv(self, w: int, ticket: int) -> Any:
         """The answer to request ``ticket`` of worker ``w`` (answers to other requests read on
         the way are kept for their turn)."""
         while (w, ticket) not in self._early:
-            try:
-                got, status, payload = self._conns[w].recv()
-            except (EOFError, OSError) as exc:
-                raise self._died(w) from exc
-            self._early[(w, got)] = (status, payload)
+            self._pull(w)
         status, payload = self._early.pop((w, ticket))
         if status != "ok":
             raise RuntimeError(f"environment worker {w} failed:\n{payload}")
@@ -146,6 +150,18 @@ class EnvWorkers:
             per.setdefault(self._owner[key], []).append((key, action))
         tickets = self._send("step", per)
         return [(w, tickets[w], [key for key, _ in batch]) for w, batch in per.items()]
+
+    def ready(self, ticket: Any) -> bool:
+        """Whether every answer of a :meth:`send_steps` has arrived (never blocks)."""
+        for w, t, _ in ticket:
+            while (w, t) not in self._early:
+                try:
+                    if not self._conns[w].poll(0):
+                        return False
+                except (EOFError, OSError) as exc:
+                    raise self._died(w) from exc
+                self._pull(w)
+        return True
 
     def receive_steps(self, ticket: Any) -> dict[Hashable, StepResult]:
         """The results of a :meth:`send_steps`, by key."""

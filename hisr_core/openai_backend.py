@@ -14,6 +14,7 @@ each position (renormalised): exact for peaked distributions, a lower bound othe
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import os
 import random
@@ -23,7 +24,7 @@ from typing import Any, Self
 
 from transformers import PreTrainedTokenizerBase
 
-from hisr_core.rollout import Generation, Sampling
+from hisr_core.rollout import Generation, Sampling, Streaming, key_seed
 
 
 class BackendError(RuntimeError):
@@ -53,8 +54,10 @@ def entropy_from_top(top: dict[str, float]) -> float:
     return -sum(w / z * math.log(w / z) for w in weights.values() if w > 0)
 
 
-class OpenAIGenerator:
-    """The ``openai`` backend of :class:`~hisr_core.rollout.Generator`.
+class OpenAIGenerator(Streaming):
+    """The ``openai`` backend of :class:`~hisr_core.rollout.Generator`: each submitted request
+    goes to the server at once (up to ``concurrency`` in flight, the rest wait their turn), and
+    the server batches them continuously (vLLM).
 
     Args:
         base_url: the server's API root, e.g. ``http://127.0.0.1:8000/v1``.
@@ -68,7 +71,8 @@ class OpenAIGenerator:
         max_retries: retries of a failed request before :class:`BackendError`.
         backoff_s: first back-off; doubles per retry (with jitter), capped at 30 s.
         top_logprobs: alternatives requested per position, for the entropy.
-        seed: base of the per-request sampling seeds.
+        seed: base of the per-request sampling seeds (each derived from the request's key and
+            its turn, so a response does not depend on which requests were in flight).
     """
 
     def __init__(self, base_url: str, model: str, tokenizer: PreTrainedTokenizerBase,
@@ -84,30 +88,35 @@ class OpenAIGenerator:
         self.max_retries, self.backoff_s = max_retries, backoff_s
         self.top_logprobs = top_logprobs
         self.seed = seed
-        self.calls = 0
+        self._inflight: dict[concurrent.futures.Future[Generation], Hashable] = {}
+        self._turns: dict[Hashable, int] = {}
         #: Requests retried and requests sent, so far.
         self.stats = {"requests": 0, "retries": 0}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="openai-backend")
         self._thread.start()
-        self._client = self._run(self._make_client())
+        self._client, self._gate = self._run(self._make_client())
 
-    async def _make_client(self) -> Any:
+    async def _make_client(self) -> tuple[Any, asyncio.Semaphore]:
         import openai
 
         # Retries are ours (counted, and the last error is reported), not the client's.
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key,
-                                  timeout=self.timeout_s, max_retries=0)
+        return (openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key,
+                                   timeout=self.timeout_s, max_retries=0),
+                asyncio.Semaphore(self.concurrency))
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def release(self, session: Hashable) -> None:
-        """Nothing to free: the server's prefix cache (vLLM) works without sessions."""
+    def release(self, key: Hashable) -> None:
+        """Forget the key's turn count (the server's prefix cache works without sessions)."""
+        self._turns.pop(key, None)
 
     def close(self) -> None:
         if self._loop.is_running():
+            for future in self._inflight:
+                future.cancel()
             self._run(self._client.close())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
@@ -118,24 +127,29 @@ class OpenAIGenerator:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
-                 sessions: Sequence[Hashable] | None = None) -> list[Generation]:
-        self.calls += 1
-        return self._run(self._all(prompts, sampling, self.calls))
+    def submit(self, key: Hashable, prompt: Sequence[int], sampling: Sampling) -> None:
+        turn = self._turns.get(key, 0)
+        self._turns[key] = turn + 1
+        future = asyncio.run_coroutine_threadsafe(
+            self._bounded(list(prompt), sampling, key_seed(self.seed, (key, turn))), self._loop)
+        self._inflight[future] = key
 
-    async def _all(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
-                   call: int) -> list[Generation]:
-        gate = asyncio.Semaphore(self.concurrency)
+    def poll(self) -> list[tuple[Hashable, Generation]]:
+        """Wait for at least one answer; every answer that is in. A request that failed after
+        its retries raises :class:`BackendError` here."""
+        if not self._inflight:
+            return []
+        done, _ = concurrent.futures.wait(self._inflight,
+                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        return [(self._inflight.pop(f), f.result()) for f in done]
 
-        async def one(i: int, prompt: Sequence[int]) -> Generation:
-            async with gate:
-                return await self._request(list(prompt), sampling,
-                                           seed=(self.seed * 1_000_003 + call) * 4099 + i)
-
-        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    async def _bounded(self, prompt: list[int], sampling: Sampling, seed: int) -> Generation:
+        async with self._gate:
+            return await self._request(prompt, sampling, seed)
 
     async def _request(self, prompt: list[int], sampling: Sampling, seed: int) -> Generation:
         last: BaseException | None = None
+        seed %= 2**31  # servers take a 32-bit seed
         rng = random.Random(seed)
         for attempt in range(self.max_retries + 1):
             if attempt:

@@ -1,10 +1,12 @@
-"""Batched multi-episode play: B episodes in lockstep, one batched generation call per turn.
+"""The episode engine: continuous batching of many episodes over one generation backend.
 
-At each turn every active episode's prompt (system, the window of past turns, the current
-observation) is encoded by :class:`~hisr_core.prompts.PromptBuilder`, one generation call covers
-them all (left padding, KV cache), each response is parsed into an action, every environment
-steps, finished episodes leave the batch and queued tasks take their places. The same loop
-serves evaluation (greedy), collection (sampling) and, later, every PPO iteration.
+Every active episode has at most one request in flight. A backend takes requests one at a time
+(:meth:`Generator.submit`) and hands back whichever responses are finished
+(:meth:`Generator.poll`); as soon as an episode's response is back it is parsed into an
+action, its environment steps and its next prompt goes in, while the other episodes keep
+generating. No episode waits for the longest response of a turn, and a finished episode's
+place is taken by the next queued task at once. The same loop serves evaluation (greedy),
+collection (sampling) and, later, every PPO iteration.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import zlib
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 from hisr_core.envs import Environment, StepResult, Task
 from hisr_core.prompts import PromptBuilder, system_text
@@ -55,18 +58,23 @@ class Generation:
 
 
 class Generator(Protocol):
-    """A backend that continues a batch of token-id prompts.
+    """A backend that continues token-id prompts, many at once.
 
-    ``sessions`` (optional, one hashable key per prompt) say which prompts continue earlier
-    ones: a backend may keep the work done on a session's previous prompt and response (the
-    ``hf`` backend keeps its KV cache) until :meth:`release` is called for it.
+    A request is named by a hashable ``key`` (in :func:`play`, the episode); a key has at most
+    one request in flight. Successive requests of one key continue each other: a backend may
+    keep the work done on the key's previous prompt and response (the ``hf`` backend keeps its
+    KV cache) until :meth:`release` is called for it.
     """
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
-                 sessions: Sequence[Hashable] | None = None) -> list[Generation]:
+    def submit(self, key: Hashable, prompt: Sequence[int], sampling: Sampling) -> None:
         ...
 
-    def release(self, session: Hashable) -> None:
+    def poll(self) -> list[tuple[Hashable, Generation]]:
+        """Advance the work in flight; the requests finished since the last call (at least
+        one when any request is in flight, unless the backend is making progress in steps)."""
+        ...
+
+    def release(self, key: Hashable) -> None:
         ...
 
     @property
@@ -75,12 +83,361 @@ class Generator(Protocol):
         ...
 
 
-@dataclasses.dataclass
-class _Cached:
-    """A session's KV cache: ``ids`` (T tokens) and per layer keys and values [H_kv, T, D]."""
+class Streaming:
+    """``generate``: the whole-batch call on top of :meth:`submit` / :meth:`poll`."""
 
-    ids: list[int]
-    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    def generate(self: Any, prompts: Sequence[Sequence[int]], sampling: Sampling,
+                 sessions: Sequence[Hashable] | None = None) -> list[Generation]:
+        """One response per prompt. ``sessions`` (one distinct key per prompt) keep their
+        backend state for later calls; without, every prompt stands alone."""
+        if sessions is None:
+            first = getattr(self, "_one_shots", 0)
+            self._one_shots = first + len(prompts)
+        keys: list[Hashable] = (list(sessions) if sessions is not None
+                                else [_OneShot(first + i) for i in range(len(prompts))])
+        if len(keys) != len(prompts) or len(set(keys)) != len(keys):
+            raise ValueError(f"need one distinct session per prompt: {len(prompts)} prompts, "
+                             f"{len(set(keys))} distinct sessions")
+        for key, prompt in zip(keys, prompts, strict=True):
+            self.submit(key, prompt, sampling)
+        got: dict[Hashable, Generation] = {}
+        while len(got) < len(keys):
+            got.update(self.poll())
+        if sessions is None:
+            for key in keys:
+                self.release(key)
+        return [got[k] for k in keys]
+
+
+@dataclasses.dataclass(frozen=True)
+class _OneShot:
+    """The key of a request without a session: the n-th such request of a backend."""
+
+    n: int
+
+
+def key_seed(seed: int, key: Hashable) -> int:
+    """A sampling seed for one key, the same in every process (``hash`` of a str is not)."""
+    return (seed * 1_000_003 + zlib.crc32(repr(key).encode())) % 2**63
+
+
+class _RaggedCache(Cache):
+    """KV cache of ``rows`` sequences of independent lengths, written in place.
+
+    Per layer, keys and values live in preallocated ``[rows, H_kv, capacity + 1, D]`` tensors;
+    a row's token at position p sits in column p, and column ``capacity`` is scratch where
+    padding tokens write. Before each forward :meth:`plan` says which rows the batch holds
+    (``None``: rows ``0..b-1``, read without copying), the column each input token writes, and
+    how many columns attention reads. The caller builds the matching 4-D mask.
+    """
+
+    def __init__(self, rows: int) -> None:
+        super().__init__(layers=[])
+        self.n_rows = rows
+        self.capacity = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._rows: torch.Tensor | None = None
+        self._write = torch.zeros((0, 0), dtype=torch.long)
+        self._width = 0
+
+    def reserve(self, columns: int) -> None:
+        """Room for positions ``0..columns-1`` in every row (grows by doubling, keeping data)."""
+        if columns <= self.capacity:
+            return
+        new = max(columns, 2 * self.capacity, 256)
+        new = -(-new // 64) * 64
+        for store in (self.keys, self.values):
+            for i, old in enumerate(store):
+                grown = old.new_zeros((*old.shape[:2], new + 1, old.shape[3]))
+                grown[:, :, :self.capacity] = old[:, :, :self.capacity]
+                store[i] = grown
+        self.capacity = new
+
+    @property
+    def scratch(self) -> int:
+        return self.capacity
+
+    def plan(self, rows: torch.Tensor | None, write: torch.Tensor, width: int) -> None:
+        """Shape: rows (b,) or None, write (b, T) column per input token; width: columns read."""
+        self._rows, self._write, self._width = rows, write, width
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shape: key/value states (b, H_kv, T, D) → keys, values (b, H_kv, width, D)."""
+        if layer_idx == len(self.keys):
+            shape = (self.n_rows, key_states.shape[1], self.capacity + 1, key_states.shape[3])
+            self.keys.append(key_states.new_zeros(shape))
+            self.values.append(value_states.new_zeros((*shape[:3], value_states.shape[3])))
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        b = key_states.shape[0]
+        rows = self._rows if self._rows is not None else torch.arange(b, device=keys.device)
+        # Advanced indices on dims 0 and 2 around a slice: the indexed view is (b, T, H, D).
+        keys[rows[:, None], :, self._write] = key_states.transpose(1, 2)
+        values[rows[:, None], :, self._write] = value_states.transpose(1, 2)
+        if self._rows is None:
+            return keys[:b, :, :self._width], values[:b, :, :self._width]
+        return (keys[:, :, :self._width].index_select(0, rows),
+                values[:, :, :self._width].index_select(0, rows))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+@dataclasses.dataclass
+class _Row:
+    """One row of the batch: the key it serves and the tokens whose KV it holds."""
+
+    key: Hashable | None = None
+    ids: list[int] = dataclasses.field(default_factory=list)
+    #: The request in flight (None: idle, the cache kept for the key's next request).
+    sampling: Sampling | None = None
+    todo: list[int] = dataclasses.field(default_factory=list)   # prompt tokens to compute
+    out: list[int] = dataclasses.field(default_factory=list)    # response so far
+    entropy: float = 0.0
+    feed: int | None = None   # the last sampled token, to be fed next
+    rng: torch.Generator | None = None
+    used: int = 0             # when it last served a request (idle rows go LRU first)
+
+
+class HFGenerator(Streaming):
+    """In-process transformers generation with continuous batching.
+
+    Up to ``max_rows`` requests run at once, each in its own row of a KV cache whose rows have
+    independent lengths. Each :meth:`poll` computes the prompts of newly arrived requests in
+    one forward pass, then advances every generating row by one token in another; a finished
+    row returns its response at once and takes the next request. A key's cache stays in its
+    row between requests, so the next prompt of an episode is computed only from where it
+    stops sharing a prefix with what the row holds: a turn costs its new observation.
+
+    Models the ragged cache cannot serve (checked once against a plain forward pass, e.g.
+    sliding-window attention) are run without a cache: each step recomputes the sequences.
+
+    Args:
+        model: a causal LM (eval mode is set here).
+        tokenizer: its tokenizer (decodes responses).
+        stop_ids: token ids that end a response (the prompt builder's ``stop_ids``).
+        seed: seed of sampling (each key draws from its own generator, so a response does not
+            depend on which other requests shared its batch).
+        max_rows: most requests generating at once.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 stop_ids: Sequence[int], seed: int = 0, max_rows: int = 32) -> None:
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.stop = set(stop_ids)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.device = next(model.parameters()).device
+        self.seed = seed
+        # transformers renamed ``past_key_values`` to ``cache`` (5.2x); accept either.
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._keep_arg = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self._bool_mask = getattr(model.config, "_attn_implementation", "eager") != "eager"
+        self._rows = [_Row() for _ in range(max_rows)]
+        self._where: dict[Hashable, int] = {}
+        self._waiting: list[tuple[Hashable, list[int], Sampling]] = []
+        self._clock = 0
+        self._cache = _RaggedCache(max_rows)
+        self._ragged = self._ragged_matches_plain()
+        #: Prompt tokens computed, and taken from a key's cache, so far.
+        self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_reused": 0}
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def submit(self, key: Hashable, prompt: Sequence[int], sampling: Sampling) -> None:
+        if not prompt:
+            raise ValueError(f"empty prompt for {key!r}")
+        if key in self._where and self._rows[self._where[key]].sampling is not None or \
+                any(k == key for k, _, _ in self._waiting):
+            raise ValueError(f"{key!r} already has a request in flight")
+        self._waiting.append((key, list(prompt), sampling))
+
+    def release(self, key: Hashable) -> None:
+        self._waiting = [w for w in self._waiting if w[0] != key]
+        if key in self._where:
+            self._rows[self._where.pop(key)] = _Row()
+
+    def _admit(self) -> None:
+        """Give waiting requests their key's row, else a free one, else the least recently
+        used idle one (its cache is dropped)."""
+        still = []
+        for key, prompt, sampling in self._waiting:
+            i = self._where.get(key)
+            if i is None:
+                free = [j for j, r in enumerate(self._rows) if r.key is None]
+                idle = sorted((r.used, j) for j, r in enumerate(self._rows)
+                              if r.key is not None and r.sampling is None)
+                if not free and not idle:
+                    still.append((key, prompt, sampling))
+                    continue
+                i = free[0] if free else idle[0][1]
+                if self._rows[i].key is not None:
+                    del self._where[self._rows[i].key]
+                self._rows[i] = _Row(key=key)
+                self._where[key] = i
+            row = self._rows[i]
+            # At least one prompt token is computed, for the next-token logits.
+            keep = min(_common_prefix(row.ids, prompt), len(prompt) - 1) if self._ragged else 0
+            self.stats["prompt_tokens_reused"] += keep
+            self.stats["prompt_tokens_computed"] += len(prompt) - keep
+            self._clock += 1
+            if row.rng is None and sampling.temperature > 0:
+                row.rng = torch.Generator().manual_seed(key_seed(self.seed, key))
+            row.ids, row.todo, row.sampling, row.used = row.ids[:keep], prompt[keep:], sampling, \
+                self._clock
+            row.out, row.entropy, row.feed = [], 0.0, None
+        self._waiting = still
+
+    @torch.inference_mode()
+    def poll(self) -> list[tuple[Hashable, Generation]]:
+        self._admit()
+        done: list[tuple[Hashable, Generation]] = []
+        fill = [i for i, r in enumerate(self._rows) if r.sampling is not None and r.todo]
+        if fill:
+            rows = [self._rows[i] for i in fill]
+            logits = self._forward(fill, [r.todo for r in rows], dense=False)
+            for r in rows:
+                r.ids += r.todo
+                r.todo = []
+            done += self._pick(fill, logits)
+        step = [i for i, r in enumerate(self._rows) if r.feed is not None]
+        if step:
+            rows = [self._rows[i] for i in step]
+            logits = self._forward(step, [[r.feed] for r in rows], dense=True)
+            for r in rows:
+                r.ids.append(r.feed)
+                r.feed = None
+            done += self._pick(step, logits)
+        return done
+
+    # -- model ------------------------------------------------------------------------------
+
+    def _forward(self, rows: list[int], feeds: list[list[int]], dense: bool) -> torch.Tensor:
+        """Logits (len(rows), V) float32 after each row's ``feeds`` tokens, appended to what
+        the row holds. ``dense``: the batch is rows ``0..max(rows)`` (others padding), so the
+        cache is read in place; otherwise just ``rows``, gathered."""
+        starts = [len(self._rows[i].ids) for i in rows]
+        if not self._ragged:
+            return self._plain([self._rows[i].ids + f for i, f in zip(rows, feeds, strict=True)])
+        width = max(s + len(f) for s, f in zip(starts, feeds, strict=True))
+        self._cache.reserve(width)
+        b = max(rows) + 1 if dense else len(rows)
+        t = max(len(f) for f in feeds)
+        ids = torch.full((b, t), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((b, t), dtype=torch.long)
+        write = torch.full((b, t), self._cache.scratch, dtype=torch.long)
+        for j, (i, s, f) in enumerate(zip(rows, starts, feeds, strict=True)):
+            r, n = (i if dense else j), len(f)
+            ids[r, t - n:] = torch.tensor(f, dtype=torch.long)
+            pos[r, t - n:] = write[r, t - n:] = torch.arange(s, s + n)
+        # A real token sees its row up to itself; padding sees column 0 (never an empty row).
+        mask = (torch.arange(width)[None, None, :] <= pos[:, :, None])[:, None]
+        picked = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self._cache.plan(None if dense else picked, write.to(self.device), width)
+        logits = self._call(ids, pos, self._mask(mask), self._cache)
+        return logits.index_select(0, picked) if dense else logits
+
+    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A boolean 4-D mask as the model's attention takes it (eager: additive floats)."""
+        allowed = allowed.to(self.device)
+        if self._bool_mask:
+            return allowed
+        dtype = next(self.model.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)
+
+    def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+              cache: Cache | None) -> torch.Tensor:
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask,
+                         position_ids=pos.to(self.device), use_cache=cache is not None,
+                         **({self._cache_arg: cache} if cache is not None else {}),
+                         **self._keep_arg)
+        return out.logits[:, -1].float()
+
+    def _plain(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Logits (len(seqs), V) after each whole sequence, without a cache (left padding)."""
+        t = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), t), self.pad_id, dtype=torch.long)
+        keep = torch.zeros((len(seqs), t), dtype=torch.long)
+        for j, s in enumerate(seqs):
+            ids[j, t - len(s):] = torch.tensor(list(s), dtype=torch.long)
+            keep[j, t - len(s):] = 1
+        pos = (keep.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=keep.to(self.device),
+                         position_ids=pos.to(self.device), use_cache=False, **self._keep_arg)
+        return out.logits[:, -1].float()
+
+    @torch.inference_mode()
+    def _ragged_matches_plain(self) -> bool:
+        """Whether the ragged cache gives this model's plain logits: two rows of different
+        lengths, a prompt pass then one token each, against whole-sequence passes."""
+        vocab = min(int(getattr(self.model.config, "vocab_size", 64) or 64), 64)
+        seqs = [[(7 * k + 3) % vocab for k in range(6)], [(5 * k + 1) % vocab for k in range(9)]]
+        saved = self._rows, self._cache
+        self._rows, self._cache, self._ragged = [_Row(), _Row()], _RaggedCache(2), True
+        try:
+            self._forward([0, 1], [seqs[0][:5], seqs[1][:8]], dense=False)
+            for r, s in zip(self._rows, seqs, strict=True):
+                r.ids = s[:-1]
+            got = self._forward([0, 1], [[seqs[0][-1]], [seqs[1][-1]]], dense=True)
+            want = self._plain(seqs)
+            return bool(torch.allclose(got, want, atol=1e-3 * float(want.abs().max()) + 1e-4))
+        except Exception:  # noqa: BLE001 - any failure means: run this model without a cache
+            return False
+        finally:
+            self._rows, self._cache = saved
+
+    # -- sampling ---------------------------------------------------------------------------
+
+    def _pick(self, rows: list[int], logits: torch.Tensor) -> list[tuple[Hashable, Generation]]:
+        """Choose each row's next token from its logits (n, V); the responses that ended."""
+        logp = torch.log_softmax(logits, dim=-1)
+        entropy = (-(logp.exp() * logp).sum(-1)).tolist()
+        choice = logits.argmax(-1).cpu()
+        sampled = [j for j, i in enumerate(rows) if self._rows[i].sampling.temperature > 0]
+        if sampled:
+            settings = [self._rows[rows[j]].sampling for j in sampled]
+            rngs = [self._rows[rows[j]].rng for j in sampled]
+            choice[sampled] = _sample(logits[sampled].cpu(), settings, rngs)
+        done = []
+        for j, token in enumerate(choice.tolist()):
+            row = self._rows[rows[j]]
+            assert row.sampling is not None
+            if token not in self.stop:
+                row.out.append(token)
+                row.entropy += entropy[j]
+                row.feed = token
+            if token in self.stop or len(row.out) >= row.sampling.max_new_tokens:
+                # A response cut at max_new_tokens leaves its last token unfed: the row holds
+                # exactly the tokens in ``ids``.
+                row.feed = None
+                row.sampling = None
+                text = self.tokenizer.decode(row.out, skip_special_tokens=True)
+                done.append((row.key, Generation(
+                    row.out, text, row.entropy / len(row.out) if row.out else 0.0)))
+        return done
+
+
+def _sample(logits: torch.Tensor, settings: Sequence[Sampling],
+            rngs: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Shape: logits (n, V) → (n,) tokens, row j drawn at ``settings[j].temperature`` from the
+    smallest set of tokens whose probability reaches ``settings[j].top_p``, with one uniform
+    number from its own generator ``rngs[j]`` (so a draw does not depend on the other rows)."""
+    temperature = torch.tensor([s.temperature for s in settings])[:, None]
+    top_p = torch.tensor([s.top_p for s in settings])[:, None]
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if bool((top_p < 1.0).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    cdf = probs.cumsum(-1)
+    u = torch.cat([torch.rand(1, generator=g) for g in rngs]) * cdf[:, -1]
+    # Inverse CDF: the first token whose cumulative mass exceeds u (never a zero-mass one).
+    return torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1).clamp(max=cdf.shape[1] - 1)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -91,198 +448,6 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-class HFGenerator:
-    """In-process transformers generation: left padding, KV cache, per-row stop.
-
-    With ``sessions``, the KV cache of each session's last prompt and response is kept, and the
-    next prompt of that session is computed only from where it stops sharing a prefix with
-    them: a turn then costs its new observation, not the whole episode again. This needs a
-    plain dynamic cache (every layer full attention); other caches are recomputed each call.
-
-    Args:
-        model: a causal LM (eval mode is set here).
-        tokenizer: its tokenizer (decodes responses).
-        stop_ids: token ids that end a response (the prompt builder's ``stop_ids``).
-        seed: seed of the sampling RNG (greedy decoding ignores it).
-    """
-
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 stop_ids: Sequence[int], seed: int = 0) -> None:
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.device = next(model.parameters()).device
-        self.rng = torch.Generator(device="cpu").manual_seed(seed)
-        # transformers renamed ``past_key_values`` to ``cache`` (5.2x); accept either.
-        params = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        self._keep_arg = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-        self._store: dict[Hashable, _Cached] = {}
-        # A preallocated cache for models that support one (see _cache).
-        self._static = bool(getattr(model, "_can_compile_fullgraph", False))
-        #: Prompt tokens computed, and taken from a session's cache, so far.
-        self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_reused": 0}
-
-    def release(self, session: Hashable) -> None:
-        self._store.pop(session, None)
-
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 cache: Any) -> tuple[torch.Tensor, Any]:
-        """Shape: ids (B, T), mask (B, past + T) → last-position logits (B, V) float32, and
-        the updated cache."""
-        kwargs = {self._cache_arg: cache} if cache is not None else {}
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         use_cache=True, **kwargs, **self._keep_arg)
-        new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        return out.logits[:, -1].float(), new_cache
-
-    def _choose(self, logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-        """Shape: logits (B, V) float32 → (B,) token ids."""
-        if sampling.temperature == 0:
-            return logits.argmax(-1)
-        probs = torch.softmax(logits / sampling.temperature, dim=-1)
-        if sampling.top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-            drop = sorted_p.cumsum(-1) - sorted_p >= sampling.top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        return torch.multinomial(probs.cpu(), 1, generator=self.rng).squeeze(-1).to(logits.device)
-
-    def _reusable(self, prompts: Sequence[Sequence[int]],
-                  sessions: Sequence[Hashable] | None) -> list[int]:
-        """Per prompt, how many leading tokens the session's cache already holds (at least one
-        token is always left to compute, for the next-token logits)."""
-        if sessions is None:
-            return [0] * len(prompts)
-        if len(sessions) != len(prompts):
-            raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts")
-        out = []
-        for prompt, session in zip(prompts, sessions, strict=True):
-            entry = self._store.get(session)
-            out.append(0 if entry is None else
-                       min(_common_prefix(entry.ids, prompt), len(prompt) - 1))
-        return out
-
-    def _cache(self, sessions: Sequence[Hashable] | None, reuse: Sequence[int], past: int,
-               total: int) -> Any:
-        """The batch's KV cache, ``past`` slots filled: row i holds its session's first
-        ``reuse[i]`` cached positions right-aligned, zeros (masked) before them.
-
-        Models that support it get a static cache of ``total`` slots, written in place as
-        tokens are generated (a dynamic cache concatenates every layer's keys and values at
-        every step: its cost grows with batch x context x steps). Others get a dynamic cache.
-        """
-        from transformers import DynamicCache, StaticCache
-
-        data = []
-        if past:
-            assert sessions is not None
-            some = next(self._store[s] for s, r in zip(sessions, reuse, strict=True) if r)
-            for layer, (k0, v0) in enumerate(some.layers):
-                keys = k0.new_zeros((len(reuse), k0.shape[0], past, k0.shape[2]))
-                values = v0.new_zeros((len(reuse), v0.shape[0], past, v0.shape[2]))
-                for i, (session, r) in enumerate(zip(sessions, reuse, strict=True)):
-                    if r:
-                        k, v = self._store[session].layers[layer]
-                        keys[i, :, past - r:] = k[:, :r]
-                        values[i, :, past - r:] = v[:, :r]
-                data.append((keys, values))
-        if not self._static:
-            return DynamicCache(ddp_cache_data=data) if data else None
-        cache = StaticCache(config=self.model.config, max_cache_len=total)
-        for layer, (keys, values) in zip(cache.layers, data, strict=False):
-            layer.update(keys, values)
-        return cache
-
-    def _keep(self, sessions: Sequence[Hashable], ids: Sequence[list[int]], mask: torch.Tensor,
-              cache: Any) -> None:
-        """Store each row's valid cache slots (``mask`` == 1) as its session's cache."""
-        layers = getattr(cache, "layers", None)
-        kinds = {"DynamicLayer", "StaticLayer"}
-        if not layers or any(type(layer).__name__ not in kinds for layer in layers):
-            return  # not a plain full-attention cache: nothing is reused
-        for i, session in enumerate(sessions):
-            valid = mask[i].bool()
-            if int(valid.sum()) != len(ids[i]) or layers[0].keys.shape[2] < mask.shape[1]:
-                self._store.pop(session, None)
-                continue
-            width = mask.shape[1]
-            self._store[session] = _Cached(ids[i], [
-                (layer.keys[i][:, :width][:, valid].clone(),
-                 layer.values[i][:, :width][:, valid].clone()) for layer in layers])
-
-    @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
-                 sessions: Sequence[Hashable] | None = None) -> list[Generation]:
-        if not prompts:
-            return []
-        b = len(prompts)
-        reuse = self._reusable(prompts, sessions)
-        # Row layout: [pad, cached reuse_i | pad, new tokens], each part right-aligned.
-        past = max(reuse)
-        fresh = [list(p[r:]) for p, r in zip(prompts, reuse, strict=True)]
-        width = max(len(f) for f in fresh)
-        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((b, past + width), dtype=torch.long)
-        positions = torch.zeros((b, width), dtype=torch.long)
-        for i, (f, r) in enumerate(zip(fresh, reuse, strict=True)):
-            ids[i, width - len(f):] = torch.tensor(f, dtype=torch.long)
-            mask[i, past - r:past] = 1
-            mask[i, past + width - len(f):] = 1
-            positions[i, width - len(f):] = torch.arange(r, r + len(f))
-        ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
-        total = past + width + sampling.max_new_tokens
-        cache = self._cache(sessions, reuse, past, total)
-        if self._static:
-            # The mask spans every slot of the static cache; slot t opens when it is written.
-            mask = torch.cat([mask, mask.new_zeros((b, total - mask.shape[1]))], dim=-1)
-        filled = past + width
-        self.stats["prompt_tokens_reused"] += sum(reuse)
-        self.stats["prompt_tokens_computed"] += sum(len(f) for f in fresh)
-        logits, cache = self._forward(ids, mask, positions, cache)
-        stop = self.stop_ids.to(self.device)
-        done = torch.zeros(b, dtype=torch.bool, device=self.device)
-        tokens: list[torch.Tensor] = []
-        entropy_sum = torch.zeros(b, device=self.device)
-        n_tokens = torch.zeros(b, device=self.device)
-        next_pos = positions[:, -1]
-        for _ in range(sampling.max_new_tokens):
-            logp = torch.log_softmax(logits, dim=-1)
-            step_entropy = -(logp.exp() * logp).sum(-1)
-            choice = self._choose(logits, sampling)
-            choice = torch.where(done, torch.full_like(choice, self.pad_id), choice)
-            is_stop = torch.isin(choice, stop) & ~done
-            live = ~done & ~is_stop
-            entropy_sum += torch.where(live, step_entropy, 0.0)
-            n_tokens += live.float()
-            tokens.append(torch.where(live, choice, torch.full_like(choice, -1)))
-            done |= is_stop
-            if bool(done.all()):
-                break
-            # Every live token is fed back, so the cache ends holding prompt + response.
-            if self._static:
-                mask[:, filled] = (~done).long()
-            else:
-                mask = torch.cat([mask, (~done).long().unsqueeze(-1)], dim=-1)
-            filled += 1
-            next_pos = next_pos + 1
-            logits, cache = self._forward(choice.unsqueeze(-1), mask, next_pos.unsqueeze(-1), cache)
-        grid = torch.stack(tokens, dim=1).cpu() if tokens else torch.empty((b, 0), dtype=torch.long)
-        results = []
-        for i in range(b):
-            row = [int(t) for t in grid[i] if t >= 0]
-            n = max(float(n_tokens[i]), 1.0)
-            results.append(Generation(row, self.tokenizer.decode(row, skip_special_tokens=True),
-                                      float(entropy_sum[i]) / n if row else 0.0))
-        if sessions is not None:
-            self._keep(sessions, [list(p) + g.token_ids for p, g in zip(prompts, results,
-                                                                        strict=True)],
-                       mask[:, :filled], cache)
-        return results
-
-
 @dataclasses.dataclass
 class _Slot:
     task: Task
@@ -291,8 +456,9 @@ class _Slot:
     observation: str = ""
     turns: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    #: The response of the turn being stepped: prompt length, generation, parsed action.
-    pending: tuple[int, Generation, str | None] | None = None
+    prompt_tokens: int = 0
+    #: The response being stepped, and its parsed action.
+    pending: tuple[Generation, str | None] | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -321,6 +487,9 @@ class _InProcess:
                 del self.episodes[key]
         return results
 
+    def ready(self, ticket: dict[Hashable, StepResult]) -> bool:
+        return True
+
     def receive_steps(self, ticket: dict[Hashable, StepResult]) -> dict[Hashable, StepResult]:
         return ticket
 
@@ -337,11 +506,11 @@ def play(
     on_episode: Callable[[dict[str, Any]], None] | None = None,
     workers: EnvWorkers | None = None,
 ) -> list[dict[str, Any]]:
-    """Play every task ``samples_per_task`` times, ``batch_size`` episodes in lockstep.
+    """Play every task ``samples_per_task`` times, up to ``batch_size`` episodes at once.
 
-    With ``workers`` (slow environments) the episodes step in worker processes, and the batch
-    is split in two halves that alternate: while the workers step one half, the other half's
-    responses are generated. Without, episodes step in this process, one batch per turn.
+    Each response is stepped as soon as the backend hands it back, and the episode's next
+    prompt goes straight back in; a finished episode's place goes to the next queued one. With
+    ``workers`` (slow environments) the steps run in worker processes while generation goes on.
 
     Returns one row per episode (contract ``episodes``), in task order then sample order.
     ``on_episode`` is called as each episode ends (progress bars).
@@ -349,35 +518,41 @@ def play(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     stepper: Any = workers if workers is not None else _InProcess(env)
-    n_groups = 2 if workers is not None and batch_size > 1 else 1
-    caps = [batch_size // n_groups + (g < batch_size % n_groups) for g in range(n_groups)]
     queue = [(t, s) for t in tasks for s in range(samples_per_task)]
     queue.reverse()
-    active: list[list[_Slot]] = [[] for _ in range(n_groups)]
-    tickets: list[Any] = [None] * n_groups
+    active: dict[Hashable, _Slot] = {}
+    tickets: list[Any] = []
+    generating = 0
     finished: dict[tuple[str, int], dict[str, Any]] = {}
 
-    def refill(g: int) -> None:
+    def ask(slot: _Slot) -> None:
+        nonlocal generating
+        prompt = builder.prompt(slot.system, slot.turns, slot.observation)
+        slot.prompt_tokens = len(prompt.input_ids)
+        generator.submit(slot.key, prompt.input_ids, sampling)
+        generating += 1
+
+    def refill() -> None:
         new = []
-        while queue and len(active[g]) + len(new) < caps[g]:
+        while queue and len(active) + len(new) < batch_size:
             task, sample = queue.pop()
             new.append(_Slot(task, sample, system_text(task.instruction, env.command_grammar)))
         if new:
             for slot, obs in zip(new, stepper.start([(s.key, s.task) for s in new]),
                                  strict=True):
                 slot.observation = obs
-            active[g].extend(new)
+                active[slot.key] = slot
+                ask(slot)
 
-    def apply(g: int, results: dict[Hashable, StepResult]) -> None:
-        still: list[_Slot] = []
-        for slot in active[g]:
+    def apply(results: dict[Hashable, StepResult]) -> None:
+        for key, result in results.items():
+            slot = active[key]
             assert slot.pending is not None
-            prompt_tokens, gen, action = slot.pending
-            result = results[slot.key]
+            gen, action = slot.pending
             slot.records.append({
                 "observation": slot.observation, "response": gen.text,
                 "action": action or "", "admissible": result.admissible,
-                "parsed": action is not None, "prompt_tokens": prompt_tokens,
+                "parsed": action is not None, "prompt_tokens": slot.prompt_tokens,
                 "response_tokens": len(gen.token_ids),
                 "entropy": gen.entropy if math.isfinite(gen.entropy) else 0.0,
             })
@@ -385,35 +560,36 @@ def play(
             slot.observation = result.observation
             slot.pending = None
             if result.done:
-                generator.release(slot.key)
+                generator.release(key)
+                del active[key]
                 truncated = not result.won and len(slot.records) >= env.max_turns
                 row = _episode_row(slot, result.won, result.score, policy, truncated)
                 finished[slot.key] = row
                 if on_episode is not None:
                     on_episode(row)
             else:
-                still.append(slot)
-        active[g] = still
+                ask(slot)
+        refill()
 
-    for g in range(n_groups):
-        refill(g)
-    while any(active):
-        for g in range(n_groups):
-            if tickets[g] is not None:
-                apply(g, stepper.receive_steps(tickets[g]))
-                tickets[g] = None
-                refill(g)
-            if not active[g]:
-                continue
-            prompts = [builder.prompt(s.system, s.turns, s.observation) for s in active[g]]
-            gens = generator.generate([p.input_ids for p in prompts], sampling,
-                                      [s.key for s in active[g]])
-            steps = []
-            for slot, prompt, gen in zip(active[g], prompts, gens, strict=True):
-                action = parse_action(gen.text)
-                slot.pending = (len(prompt.input_ids), gen, action)
-                steps.append((slot.key, action if action is not None else gen.text.strip()))
-            tickets[g] = stepper.send_steps(steps)
+    refill()
+    while active:
+        for ticket in [t for t in tickets if stepper.ready(t)]:
+            tickets.remove(ticket)
+            apply(stepper.receive_steps(ticket))
+        if not active:
+            break
+        if not generating:
+            # Every active episode waits on its environment.
+            apply(stepper.receive_steps(tickets.pop(0)))
+            continue
+        steps = []
+        for key, gen in generator.poll():
+            generating -= 1
+            action = parse_action(gen.text)
+            active[key].pending = (gen, action)
+            steps.append((key, action if action is not None else gen.text.strip()))
+        if steps:
+            tickets.append(stepper.send_steps(steps))
     return [finished[(t.task_id, s)] for t in tasks for s in range(samples_per_task)]
 
 

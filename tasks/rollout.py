@@ -1,5 +1,5 @@
-"""The episode engine as the stages use it: a generation backend from params, and batched
-play with a progress bar (evaluation, collection, later PPO)."""
+"""The episode engine as the stages use it: a generation backend from params, and
+continuously batched play with a progress bar (evaluation, collection, later PPO)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def open_generator(params: Params, model_dir: Path,
             yield generator, builder
         return
     model = load_model(model_dir, dtype=resolve_dtype(params.model.dtype)).to(device())
-    yield HFGenerator(model, tokenizer, builder.stop_ids, seed=seed), builder
+    yield HFGenerator(model, tokenizer, builder.stop_ids, seed=seed,
+                      max_rows=params.rollout.batch_size), builder
 
 
 def play_with_progress(params: Params, env: Environment, tasks: Sequence[Task],

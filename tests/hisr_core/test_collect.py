@@ -8,7 +8,8 @@ from hisr_core.collect import Loop, drop_reason, find_loop
 from hisr_core.envs import make_environment
 from hisr_core.models import train_tokenizer
 from hisr_core.prompts import PromptBuilder
-from hisr_core.rollout import Generation, Sampling, play
+from hisr_core.rollout import Sampling, play
+from tests.scripted import ScriptedBackend
 
 
 def test_find_loop_periods():
@@ -23,27 +24,20 @@ def test_find_loop_periods():
         find_loop(["a"], 1, 2)
 
 
-class Scripted:
-    """A test double of the generation protocol: each episode answers from a fixed script,
-    chosen by a word of its instruction, one response per turn (the last one repeats)."""
+class Scripted(ScriptedBackend):
+    """Each episode answers from a fixed script, chosen by a word of its instruction, one
+    response per turn (the last one repeats)."""
 
     def __init__(self, tokenizer, scripts):
-        self.tokenizer, self.scripts, self.turn = tokenizer, scripts, {}
-        self.stats = {}
+        super().__init__(tokenizer)
+        self.scripts, self.turn = scripts, {}
 
-    def generate(self, prompts, sampling, sessions=None):
-        out = []
-        for prompt, session in zip(prompts, sessions, strict=True):
-            k = self.turn.get(session, 0)
-            self.turn[session] = k + 1
-            text = self.tokenizer.decode(prompt)
-            script = next(v for key, v in self.scripts.items() if key in text)
-            reply = script[min(k, len(script) - 1)]
-            out.append(Generation(self.tokenizer(reply)["input_ids"], reply, 0.1))
-        return out
-
-    def release(self, session):
-        self.turn.pop(session, None)
+    def answer(self, key, prompt):
+        k = self.turn.get(key, 0)
+        self.turn[key] = k + 1
+        text = self.tokenizer.decode(prompt)
+        script = next(v for word, v in self.scripts.items() if word in text)
+        return script[min(k, len(script) - 1)]
 
 
 def test_each_failure_is_recorded_and_filtered_as_specified():

@@ -10,7 +10,8 @@ from hisr_core import contracts
 from hisr_core.envs import make_environment
 from hisr_core.models import train_tokenizer
 from hisr_core.prompts import PromptBuilder
-from hisr_core.rollout import Generation, HFGenerator, Sampling, play, success_table
+from hisr_core.rollout import HFGenerator, Sampling, play, success_table
+from tests.scripted import ScriptedBackend
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +37,13 @@ def peaky_model(tokenizer, seed=0):
     return LlamaForCausalLM(cfg).eval()
 
 
-class ReplayExpert:
-    """A scripted backend (test double of the generation protocol): answers each prompt with
-    the expert's response for the observation the prompt ends with; a fixed bad response for
-    tasks listed in ``broken`` (their id appears in the system text)."""
+class ReplayExpert(ScriptedBackend):
+    """Answers each prompt with the expert's response for the observation the prompt ends
+    with; a fixed bad response for tasks listed in ``broken`` (their id is in the system text)."""
 
     def __init__(self, env, tasks, tokenizer, builder, broken=()):
+        super().__init__(tokenizer)
         self.by_prompt = {}
-        self.tokenizer, self.builder = tokenizer, builder
-        self.calls, self.released = [], []
         from hisr_core.prompts import system_text
         for t in tasks:
             ep = env.expert_play(t)
@@ -55,26 +54,18 @@ class ReplayExpert:
                 self.by_prompt[key] = "Thought: hmm" if t.task_id in broken else x.response
                 turns.append((x.observation, x.response))
 
-    def generate(self, prompts, sampling, sessions=None):
-        assert sessions is not None and len(set(sessions)) == len(prompts)
-        self.calls.append(len(prompts))
-        out = []
-        for p in prompts:
-            text = self.by_prompt.get(tuple(p), "Thought: lost")
-            out.append(Generation(self.tokenizer(text)["input_ids"], text, 0.5))
-        return out
-
-    def release(self, session):
-        self.released.append(session)
+    def answer(self, key, prompt):
+        return self.by_prompt.get(tuple(prompt), "Thought: lost")
 
 
-def test_lockstep_play_records_every_turn_and_refills(env, tokenizer):
+def test_play_records_every_turn_and_refills(env, tokenizer):
     tasks = env.make_tasks("valid_seen", 7, 0)
     builder = PromptBuilder(tokenizer)
     backend = ReplayExpert(env, tasks, tokenizer, builder, broken={tasks[2].task_id})
     rows = play(env, tasks, backend, builder, Sampling(), batch_size=3, policy="replay")
     assert [r["task_id"] for r in rows] == [t.task_id for t in tasks]
-    assert max(backend.calls) == 3, "never more than batch_size episodes at once"
+    assert max(backend.polls) == 3, "never more than batch_size episodes at once"
+    assert sorted(backend.released) == sorted((t.task_id, 0) for t in tasks)
     for r in rows:
         assert r["n_turns"] == len(r["turns"]) and r["policy"] == "replay"
     good = [r for i, r in enumerate(rows) if i != 2]
@@ -96,12 +87,10 @@ def test_env_workers_play_the_same_episodes(env, tokenizer):
     builder = PromptBuilder(tokenizer)
     backend = ReplayExpert(env, tasks, tokenizer, builder, broken={tasks[2].task_id})
     here = play(env, tasks, backend, builder, Sampling(), batch_size=4)
-    backend.calls.clear()
     with EnvWorkers("household", env.max_turns, {}, 2) as workers:
         there = play(env, tasks, backend, builder, Sampling(), batch_size=4, workers=workers)
         assert not workers._owner, "finished episodes leave their worker"
     assert there == here
-    assert max(backend.calls) == 2, "two halves of the batch alternate"
 
 
 def test_env_worker_failure_names_the_worker(env):
@@ -141,25 +130,94 @@ def test_batched_greedy_equals_one_at_a_time(tokenizer):
     assert single[0].token_ids == ref_new[: len(single[0].token_ids)]
 
 
+def test_rows_run_continuously_and_answer_when_done(tokenizer):
+    """More requests than rows, of different lengths: each response is handed back on the
+    poll that finishes it, a freed row takes the next request, and every response is the
+    one the request gets alone."""
+    model = peaky_model(tokenizer, seed=4)
+    texts = ["You arrive at cabinet 1.", "Nothing happens.", "You are in the middle of a room.",
+             "On the countertop 1, you see a mug 1.", "You open the fridge 1."]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    lengths = [2, 9, 4, 12, 6]
+    gen = HFGenerator(model, tokenizer, stop_ids=[tokenizer.eos_token_id], max_rows=2)
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        gen.submit(i, p, Sampling(max_new_tokens=n))
+    got, when, polls = {}, {}, 0
+    while len(got) < len(prompts):
+        polls += 1
+        for key, g in gen.poll():
+            got[key], when[key] = g, polls
+        assert sum(r.sampling is not None for r in gen._rows) <= 2
+    alone = HFGenerator(model, tokenizer, stop_ids=[tokenizer.eos_token_id], max_rows=1)
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        assert got[i].token_ids == alone.generate([p], Sampling(max_new_tokens=n))[0].token_ids
+    # A poll computes new prompts (giving their first token), then steps every row once.
+    assert len(got[0].token_ids) == 2 and when[0] == 1, "back on the poll that ends it"
+    assert when[0] < when[1] and when[2] < when[3]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_ragged_cache_serves_both_mask_kinds(tokenizer, attn):
+    model = peaky_model(tokenizer, seed=5)
+    model.config._attn_implementation = attn
+    gen = HFGenerator(model, tokenizer, stop_ids=[tokenizer.eos_token_id])
+    assert gen._ragged
+    prompt = tokenizer("You are in the middle of a room. Looking quickly around you")["input_ids"]
+    out = gen.generate([prompt, prompt[:4]], Sampling(max_new_tokens=10))
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    ref_new = [t for t in ref[0, len(prompt):].tolist() if t != tokenizer.eos_token_id]
+    assert out[0].token_ids == ref_new[: len(out[0].token_ids)]
+
+
+def test_a_model_the_ragged_cache_cannot_serve_runs_without_it(tokenizer):
+    """Sliding-window attention: the check against a plain forward pass fails, and the
+    backend recomputes each step, matching transformers' own greedy decoding."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        sliding_window=3, initializer_range=0.5,
+                        pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(cfg).eval()
+    gen = HFGenerator(model, tokenizer, stop_ids=[tokenizer.eos_token_id])
+    assert not gen._ragged
+    prompt = tokenizer("You arrive at cabinet 1. Nothing happens.")["input_ids"]
+    out = gen.generate([prompt], Sampling(max_new_tokens=8))[0]
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    ref_new = [t for t in ref[0, len(prompt):].tolist() if t != tokenizer.eos_token_id]
+    assert out.token_ids == ref_new[: len(out.token_ids)] and out.token_ids
+
+
 class NoSessions:
-    """The same backend with its cross-turn cache turned off (every prompt computed whole)."""
+    """The same backend with its cross-turn cache turned off: each key is released as soon as
+    its response is back, so every prompt is computed whole."""
 
     def __init__(self, inner):
         self.inner = inner
+        self.stats = inner.stats
 
-    def generate(self, prompts, sampling, sessions=None):
-        return self.inner.generate(prompts, sampling)
+    def submit(self, key, prompt, sampling):
+        self.inner.submit(key, prompt, sampling)
 
-    def release(self, session):
+    def poll(self):
+        out = self.inner.poll()
+        for key, _ in out:
+            self.inner.release(key)
+        return out
+
+    def release(self, key):
         pass
 
 
-@pytest.mark.parametrize("static", [True, False], ids=["static-cache", "dynamic-cache"])
-def test_session_cache_gives_the_same_tokens(tokenizer, static):
+@pytest.mark.parametrize("ragged", [True, False], ids=["ragged-cache", "no-cache"])
+def test_session_cache_gives_the_same_tokens(tokenizer, ragged):
     model = peaky_model(tokenizer, seed=1)
     s = Sampling(temperature=0.0, max_new_tokens=10)
     gen = HFGenerator(model, tokenizer, stop_ids=[tokenizer.eos_token_id])
-    gen._static = static  # models without static-cache support take the dynamic path
+    gen._ragged = ragged  # models the ragged cache cannot serve are recomputed each step
     first = [tokenizer("You arrive at cabinet 1.")["input_ids"],
              tokenizer("You are in the middle of a room.")["input_ids"]]
     out = gen.generate(first, s, sessions=["a", "b"])
@@ -167,12 +225,15 @@ def test_session_cache_gives_the_same_tokens(tokenizer, static):
     second = [first[0] + out[0].token_ids + more,
               first[1][:3] + more]  # shares only 3 tokens with session b's cache
     cached = gen.generate(second, s, sessions=["a", "b"])
-    assert gen.stats["prompt_tokens_reused"] == len(first[0]) + len(out[0].token_ids) + 3
+    # A response cut at max_new_tokens leaves its last token uncomputed.
+    held = len(out[0].token_ids) - (len(out[0].token_ids) == s.max_new_tokens)
+    reused = len(first[0]) + held + 3 if ragged else 0
+    assert gen.stats["prompt_tokens_reused"] == reused
     fresh = HFGenerator(model, tokenizer, stop_ids=[tokenizer.eos_token_id]).generate(second, s)
     assert [g.token_ids for g in cached] == [g.token_ids for g in fresh]
     gen.release("a")
     gen.release("b")
-    assert not gen._store
+    assert not gen._where
 
 
 def test_play_with_and_without_session_cache_agree(tokenizer):
@@ -188,16 +249,22 @@ def test_play_with_and_without_session_cache_agree(tokenizer):
     assert [[t["response"] for t in r["turns"]] for r in a] == \
         [[t["response"] for t in r["turns"]] for r in b]
     assert cached.stats["prompt_tokens_reused"] > cached.stats["prompt_tokens_computed"]
-    assert not cached._store, "finished episodes release their cache"
+    assert not cached._where, "finished episodes release their rows"
 
 
-def test_sampling_is_seeded(tokenizer):
+def test_sampling_is_seeded_per_key(tokenizer):
     model = peaky_model(tokenizer)
     prompts = [tokenizer("You arrive at")["input_ids"]] * 4
     s = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=8)
-    a = HFGenerator(model, tokenizer, [tokenizer.eos_token_id], seed=3).generate(prompts, s)
-    b = HFGenerator(model, tokenizer, [tokenizer.eos_token_id], seed=3).generate(prompts, s)
+    keys = ["a", "b", "c", "d"]
+    a = HFGenerator(model, tokenizer, [tokenizer.eos_token_id], seed=3).generate(prompts, s, keys)
+    b = HFGenerator(model, tokenizer, [tokenizer.eos_token_id], seed=3).generate(prompts, s, keys)
     assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    assert len({tuple(g.token_ids) for g in a}) > 1, "keys draw differently"
+    # A key's draw does not depend on what else shares the batch.
+    c = HFGenerator(model, tokenizer, [tokenizer.eos_token_id], seed=3, max_rows=1).generate(
+        prompts[:1], s, ["c"])
+    assert c[0].token_ids == a[2].token_ids
 
 
 def test_stop_token_ends_response(tokenizer):
