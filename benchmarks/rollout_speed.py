@@ -1,4 +1,4 @@
-"""Env-steps/s of the episode engine (``hf`` backend) with B episodes in lockstep against one
+"""Env-steps/s of the episode engine (``hf`` backend) with B episodes at once against one
 episode at a time, on household tasks, measured in one run. Prints one JSON object (and writes
 it with ``--out``).
 

@@ -178,7 +178,8 @@ class RolloutParams(Section):
     """``hf``: in-process transformers; ``openai``: a server (see ``openai``)."""
 
     batch_size: int = Field(32, ge=1)
-    """Episodes played in lockstep (one batched generation call per turn)."""
+    """Episodes played at once: each is stepped as soon as its response is back, while the
+    others keep generating (the ``hf`` backend's rows, the ``openai`` backend's requests)."""
 
     max_new_tokens: int = Field(96, ge=1)
     """Longest response of one turn, in tokens."""
@@ -230,6 +231,56 @@ class CollectParams(Section):
     """Longest action block (in turns) the loop filter looks for."""
 
 
+class LLMSegmentParams(Section):
+    """The ``llm`` segmenter's server (any OpenAI-compatible chat-completions endpoint)."""
+
+    base_url: str = "http://127.0.0.1:8000/v1"
+    """The server's API root (OpenAI: https://api.openai.com/v1; a vLLM server: .../v1)."""
+
+    model: str = "gpt-4o"
+    """The model the server knows (the paper: GPT-4o)."""
+
+    api_key_env: str = Field("OPENAI_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The environment variable holding the API key; never the key itself."""
+
+    concurrency: int = Field(8, ge=1)
+    """Most requests in flight at once."""
+
+    timeout_s: float = Field(120.0, gt=0)
+    """Per-request timeout, in seconds."""
+
+    max_retries: int = Field(5, ge=0)
+    """Retries of a request after a connection error, timeout, 429 or 5xx (with back-off)."""
+
+    attempts: int = Field(3, ge=1)
+    """Requests per trajectory while the answers are invalid; then it falls back to ``turn``."""
+
+    max_tokens: int = Field(1024, ge=16)
+    """Longest answer, in tokens."""
+
+    cache_dir: str = "data/cache/segment_llm"
+    """Answers cached by (model, prompt) hash: a rerun makes no request."""
+
+
+class SegmentParams(Section):
+    """The ``segment`` stage: sub-goal segments of every trajectory of ``D_ct`` (``D_st``)."""
+
+    segmenter: Literal["rule", "entropy", "turn", "llm"] = "rule"
+    """``rule``: a boundary after each state-changing action (offline); ``entropy``: where the
+    response entropy jumps (offline); ``turn``: one turn per segment (the "w/o SPR" ablation);
+    ``llm``: a chat model splits each trajectory (the paper: GPT-4o)."""
+
+    entropy_threshold: float = Field(0.5, ge=0.0)
+    """``entropy``: a boundary before a turn whose entropy exceeds the previous turn's by this
+    many standard deviations of the trajectory's entropies."""
+
+    entropy_min_turns: int = Field(2, ge=1)
+    """``entropy``: shortest segment (no boundary before the running segment has this many)."""
+
+    llm: LLMSegmentParams = Field(default_factory=LLMSegmentParams)
+    """Settings of the ``llm`` segmenter."""
+
+
 class TrackingParams(Section):
     """Where MLflow records runs."""
 
@@ -270,6 +321,9 @@ class Params(Section):
 
     collect: CollectParams = Field(default_factory=CollectParams)
     """N-rollout collection."""
+
+    segment: SegmentParams = Field(default_factory=SegmentParams)
+    """Segmentation into sub-goal segments."""
 
     tracking: TrackingParams = Field(default_factory=TrackingParams)
     """MLflow tracking."""

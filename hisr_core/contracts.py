@@ -10,6 +10,7 @@ file and the column.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -42,6 +43,15 @@ EPISODE_TURN = pa.struct(
         pa.field("prompt_tokens", pa.int32(), nullable=False),
         pa.field("response_tokens", pa.int32(), nullable=False),
         pa.field("entropy", pa.float32(), nullable=False),
+    ]
+)
+
+#: One sub-goal segment: turns first_turn..last_turn (0-based, inclusive).
+SEGMENT = pa.struct(
+    [
+        pa.field("first_turn", pa.int32(), nullable=False),
+        pa.field("last_turn", pa.int32(), nullable=False),
+        pa.field("subgoal", pa.string(), nullable=False),
     ]
 )
 
@@ -96,6 +106,19 @@ SCHEMAS: dict[str, pa.Schema] = {
             *_EPISODE_COLUMNS,
             pa.field("outcome", pa.float64(), nullable=False),
             pa.field("drop_reason", pa.string(), nullable=False),
+        ]
+    ),
+    # D_st: the kept rollouts with their sub-goal segments (turn indices from 0, inclusive),
+    # the segmenter that made them, and whether it fell back to ``turn`` (and why).
+    "segmented": pa.schema(
+        [
+            *_EPISODE_COLUMNS,
+            pa.field("outcome", pa.float64(), nullable=False),
+            pa.field("segmenter", pa.string(), nullable=False),
+            pa.field("segments", pa.list_(pa.field("item", SEGMENT, nullable=False)),
+                     nullable=False),
+            pa.field("fallback", pa.bool_(), nullable=False),
+            pa.field("fallback_reason", pa.string(), nullable=False),
         ]
     ),
 }
@@ -196,3 +219,19 @@ def read_table(path: str | Path, name: str) -> pa.Table:
 
 def read_rows(path: str | Path, name: str) -> list[dict[str, Any]]:
     return read_table(path, name).to_pylist()
+
+
+def write_json(data: Mapping[str, Any], path: str | Path) -> Path:
+    """Write JSON atomically (DVC metrics files, reports, caches)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -24,24 +24,14 @@ from typing import Any, Self
 
 from transformers import PreTrainedTokenizerBase
 
+from hisr_core.retry import BackendError, with_retries
 from hisr_core.rollout import Generation, Sampling, Streaming, key_seed
 
-
-class BackendError(RuntimeError):
-    """The generation server could not answer (after retries)."""
+__all__ = ["BackendError", "OpenAIGenerator", "entropy_from_top"]
 
 
 #: Token strings vLLM returns with ``return_tokens_as_token_ids``: ``"token_id:123"``.
 _ID_PREFIX = "token_id:"
-
-
-def _retryable(exc: BaseException) -> bool:
-    import openai
-
-    if isinstance(exc, (openai.APIConnectionError, openai.APITimeoutError,
-                        openai.RateLimitError)):
-        return True
-    return isinstance(exc, openai.APIStatusError) and exc.status_code >= 500
 
 
 def entropy_from_top(top: dict[str, float]) -> float:
@@ -148,31 +138,16 @@ class OpenAIGenerator(Streaming):
             return await self._request(prompt, sampling, seed)
 
     async def _request(self, prompt: list[int], sampling: Sampling, seed: int) -> Generation:
-        last: BaseException | None = None
         seed %= 2**31  # servers take a 32-bit seed
-        rng = random.Random(seed)
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                self.stats["retries"] += 1
-                delay = min(self.backoff_s * 2 ** (attempt - 1), 30.0)
-                await asyncio.sleep(delay * (0.5 + rng.random()))
-            self.stats["requests"] += 1
-            try:
-                out = await self._client.completions.create(
-                    model=self.model, prompt=prompt, max_tokens=sampling.max_new_tokens,
-                    temperature=sampling.temperature, top_p=sampling.top_p, seed=seed,
-                    logprobs=self.top_logprobs,
-                    extra_body={"stop_token_ids": self.stop_ids, "skip_special_tokens": True,
-                                "return_tokens_as_token_ids": True},
-                )
-            except Exception as exc:
-                if not _retryable(exc):
-                    raise BackendError(f"{self.base_url}: request rejected: {exc}") from exc
-                last = exc
-                continue
-            return self._parse(out)
-        raise BackendError(f"{self.base_url}: no answer after {self.max_retries} retries "
-                           f"(last error: {type(last).__name__}: {last})") from last
+        out = await with_retries(
+            lambda: self._client.completions.create(
+                model=self.model, prompt=prompt, max_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature, top_p=sampling.top_p, seed=seed,
+                logprobs=self.top_logprobs,
+                extra_body={"stop_token_ids": self.stop_ids, "skip_special_tokens": True,
+                            "return_tokens_as_token_ids": True}),
+            self.base_url, self.max_retries, self.backoff_s, random.Random(seed), self.stats)
+        return self._parse(out)
 
     def _parse(self, out: Any) -> Generation:
         choice = out.choices[0]

@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from hisr_core.config import Params
+from hisr_core.contracts import write_json
 
 
 def _resolve_uri(uri: str) -> str:
@@ -60,22 +60,6 @@ def stage_run(params: Params, stage: str, sections: Mapping[str, Any]) -> Iterat
         mlflow.log_params({k: json.dumps(v) if not isinstance(v, str) else v
                            for k, v in flatten(sections).items()})
         yield run
-
-
-def write_json(data: Mapping[str, Any], path: str | Path) -> Path:
-    """Write JSON atomically (DVC metrics files, reports)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def log_metrics(metrics: Mapping[str, Any], path: str | Path | None = None) -> None:
