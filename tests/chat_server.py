@@ -1,0 +1,81 @@
+"""A real HTTP server on 127.0.0.1 speaking the OpenAI chat-completions API, answering from
+a script, for tests of the ``llm`` segmenter's wire protocol and its handling of bad answers
+(malformed JSON, invalid segments, 429, 500), which a real model cannot be made to produce on
+demand. Every request is recorded (headers, lower-cased, and body)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Self
+
+#: A script entry: an HTTP status (an error answer), or the text of the model's answer.
+Reply = int | str
+
+
+class ChatServer:
+    """Answers ``POST /v1/chat/completions``. ``reply(request_body, n)`` gives the n-th
+    request's :data:`Reply`; by default, the next item of ``script`` (then ``default``)."""
+
+    def __init__(self, script: list[Reply] | None = None,
+                 reply: Callable[[dict[str, Any], int], Reply] | None = None,
+                 reject_response_format: bool = False) -> None:
+        self.script = list(script or [])
+        self.reply = reply or (lambda body, n: self.script.pop(0))
+        self.reject_response_format = reject_response_format
+        self.requests: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802 - the http.server API
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with server.lock:
+                    n = len(server.requests)
+                    server.requests.append({"headers": {k.lower(): v for k, v in self.headers.items()},
+                                            "body": body})
+                    if server.reject_response_format and "response_format" in body:
+                        answer: Reply = 400
+                    else:
+                        answer = server.reply(body, n)
+                if isinstance(answer, int):
+                    self._send(answer, {"error": {"message": f"scripted {answer}",
+                                                  "type": "scripted"}},
+                               {"Retry-After": "0"} if answer == 429 else {})
+                    return
+                self._send(200, {
+                    "id": f"chatcmpl-{n}", "object": "chat.completion",
+                    "created": int(time.time()), "model": body["model"],
+                    "choices": [{"index": 0, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": answer}}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+            def _send(self, status: int, payload: dict[str, Any],
+                      headers: dict[str, str] | None = None) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=10)

@@ -1,0 +1,108 @@
+"""The ``segment`` stage through its command line: offline (``rule``) and ``llm`` against a
+real HTTP server on 127.0.0.1; the API key goes to the server and nowhere else."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hisr_core import contracts
+from hisr_core.envs import make_environment
+from hisr_core.segment import Segment, validate
+from tests.chat_server import ChatServer
+from tests.hisr_core.test_segment import good_answer
+
+SECRET = "sk-test-9f8e7d6c5b4a-do-not-log"
+
+
+def write_d_ct(data: Path, n: int = 6) -> list[dict]:
+    """D_ct made of household expert episodes (with slips); every third one cut short and
+    counted a failure, so both outcomes appear."""
+    env = make_environment("household", max_turns=40)
+    rows = []
+    for i, t in enumerate(env.make_tasks("train", n, 0)):
+        turns = [{"observation": x.observation, "response": x.response, "action": x.action,
+                  "admissible": x.admissible, "parsed": True, "prompt_tokens": 100 + k,
+                  "response_tokens": 12, "entropy": 0.3 + 0.4 * (k % 3)}
+                 for k, x in enumerate(env.expert_play(t, 0.1).turns)]
+        won = i % 3 != 0
+        turns = turns if won else turns[:-2]
+        rows.append({**t.to_row(), "sample": 0, "policy": "pi_ref", "turns": turns,
+                     "n_turns": len(turns), "won": won, "score": float(won),
+                     "truncated": not won, "final_observation": "", "outcome": float(won),
+                     "drop_reason": ""})
+    for r in rows:
+        del r["seed"], r["spec"]
+    contracts.write_rows(rows, data / "collect" / "d_ct.parquet", "rollouts")
+    return rows
+
+
+def test_segment_rule_writes_d_st_and_the_histogram(tmp_path, run_module, write_params):
+    data = tmp_path / "data"
+    rows = write_d_ct(data)
+    params = write_params({"segment": {"segmenter": "rule"}})
+    proc = run_module("flows.segment", "--params", str(params), "--data", str(data))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "D_st: 6 trajectories" in proc.stdout + proc.stderr
+    out = contracts.read_rows(data / "segment" / "d_st.parquet", "segmented")
+    assert [r["task_id"] for r in out] == [r["task_id"] for r in rows]
+    for r in out:
+        assert r["segmenter"] == "rule" and not r["fallback"]
+        validate([Segment.from_row(s) for s in r["segments"]], r["n_turns"])
+    metrics = json.loads((data / "segment" / "metrics.json").read_text())["segment"]
+    assert metrics["trajectories"] == 6
+    assert 1.5 <= metrics["mean_turns_per_segment"]["all"] <= 4
+    lines = (data / "segment" / "segment_lengths.csv").read_text().splitlines()
+    assert lines[0] == "turns,success,failure"
+    assert sum(int(x) for line in lines[1:] for x in line.split(",")[1:]) == metrics["segments"]
+    assert (data / "segment" / "segment_lengths.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_segment_without_d_ct_says_what_to_run(tmp_path, run_module, write_params):
+    proc = run_module("flows.segment", "--params", str(write_params()),
+                      "--data", str(tmp_path / "data"))
+    assert proc.returncode != 0
+    assert "d_ct.parquet does not exist; run the collect stage first" in proc.stderr
+
+
+def test_segment_llm_keeps_the_api_key_secret(tmp_path, run_module, write_params, mlflow_uri,
+                                              monkeypatch):
+    monkeypatch.setenv("SEGMENT_JUDGE_TEST_KEY", SECRET)
+    data = tmp_path / "data"
+    write_d_ct(data, n=4)
+    with ChatServer(reply=good_answer) as server:
+        llm = {"base_url": server.url, "model": "judge", "api_key_env": "SEGMENT_JUDGE_TEST_KEY",
+               "cache_dir": str(tmp_path / "cache")}
+        params = write_params({"segment": {"segmenter": "llm", "llm": llm}})
+        proc = run_module("flows.segment", "--params", str(params), "--data", str(data))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert len(server.requests) == 4
+        assert {r["headers"]["authorization"] for r in server.requests} == {f"Bearer {SECRET}"}
+        again = run_module("flows.segment", "--params", str(params), "--data", str(data))
+        assert again.returncode == 0 and len(server.requests) == 4, "the cache answers a rerun"
+    metrics = json.loads((data / "segment" / "metrics.json").read_text())["segment"]
+    assert metrics["llm"]["cache_hits"] == 4 and metrics["fallbacks"] == 0
+    # The key is in no log, param file, output, cache or MLflow record (database, artifacts).
+    for text in (proc.stdout, proc.stderr, again.stdout, again.stderr):
+        assert SECRET not in text
+    mlflow_dir = Path(mlflow_uri.removeprefix("sqlite:///")).parent
+    for root in (tmp_path, mlflow_dir):
+        for f in root.rglob("*"):
+            if f.is_file():
+                assert SECRET.encode() not in f.read_bytes(), f
+
+
+@pytest.mark.parametrize("segmenter", ["entropy", "turn"])
+def test_segment_offline_choices(tmp_path, run_module, write_params, segmenter):
+    data = tmp_path / "data"
+    write_d_ct(data, n=3)
+    params = write_params({"segment": {"segmenter": segmenter}})
+    proc = run_module("flows.segment", "--params", str(params), "--data", str(data))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = contracts.read_rows(data / "segment" / "d_st.parquet", "segmented")
+    if segmenter == "turn":
+        assert all(len(r["segments"]) == r["n_turns"] for r in out)
+    else:
+        assert all(1 <= len(r["segments"]) < r["n_turns"] for r in out)
