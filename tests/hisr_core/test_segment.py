@@ -36,8 +36,8 @@ def test_valid_segments_pass():
     ([(0, 1), (3, 4)], 5, r"turns 3-3 are in no segment \(gap between segments 1 and 2\)"),
     ([(2, 4), (0, 1)], 5, r"segment 2 \(from turn 1\) is out of order"),
     ([(0, 1), (3, 2), (3, 4)], 5, r"segment 2 is empty"),
-    ([(0, 2), (3, 5)], 5, r"segment 2 \(turns 4-6\) is out of range: the trajectory has "
-                          r"turns 1-5"),
+    ([(0, 2), (3, 5)], 5, (r"segment 2 \(turns 4-6\) is out of range: the trajectory has "
+                          r"turns 1-5")),
     ([(-1, 2), (3, 4)], 5, r"segment 1 \(turns 0-3\) is out of range"),
     ([(1, 4)], 5, r"turns 1-1 are in no segment \(gap at the start\)"),
     ([(0, 3)], 5, r"turns 5-5 are in no segment \(gap at the end\)"),
