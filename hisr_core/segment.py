@@ -126,7 +126,8 @@ def by_entropy(actions: Sequence[str], entropy: Sequence[float], threshold: floa
     std = math.sqrt(sum((e - mean) ** 2 for e in entropy) / n) if n else 0.0
     starts = [0]
     for k in range(1, n):
-        if k - starts[-1] >= min_turns and entropy[k] - entropy[k - 1] > threshold * std > 0:
+        if k - starts[-1] >= min_turns and std > 0 and \
+                entropy[k] - entropy[k - 1] > threshold * std:
             starts.append(k)
     return _split(actions, starts)
 

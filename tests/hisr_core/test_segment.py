@@ -86,6 +86,8 @@ def test_offline_segmenters():
         [(0, 1), (2, 4), (5, 5)]
     assert [(s.first, s.last) for s in by_entropy(actions, entropy, 0.5, 3)] == [(0, 4), (5, 5)]
     assert len(by_entropy(actions, [1.0] * 6, 0.5, 1)) == 1, "flat entropy: no boundary"
+    assert [(s.first, s.last) for s in by_entropy(actions, entropy, 0.0, 1)] == \
+        [(0, 1), (2, 3), (4, 4), (5, 5)], "threshold 0: every rise"
     with pytest.raises(ValueError, match="5 entropies for 6 turns"):
         by_entropy(actions, entropy[:5], 0.5, 2)
 
