@@ -119,7 +119,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     hf = timed(HFGenerator(load_model(args.model), tokenizer, builder.stop_ids,
                            max_rows=args.batch), prompts, sampling)
-    result = {"benchmark": "hf_vs_vllm", "model": str(args.model), "prompts": len(prompts),
+    model = args.model.resolve()
+    result = {"benchmark": "hf_vs_vllm",
+              "model": str(model.relative_to(ROOT)) if model.is_relative_to(ROOT) else model.name,
+              "prompts": len(prompts),
               "batch": args.batch, "max_new_tokens": args.max_new_tokens, "hf": hf,
               "vllm": vllm, "hf_over_vllm": round(hf["tokens_per_s"] / vllm["tokens_per_s"], 3),
               "device": "cuda" if torch.cuda.is_available() else "cpu",
