@@ -221,7 +221,7 @@ class CollectParams(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
 
-    max_unparsed: int = Field(1, ge=0)
+    max_unparsed: int = Field(3, ge=0)
     """Responses without a parsable action an episode may have before it is dropped."""
 
     loop_repeats: int = Field(3, ge=2)
