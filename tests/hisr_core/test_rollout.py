@@ -19,13 +19,18 @@ def env():
     return make_environment("household", max_turns=25)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(env):
+def household_tokenizer(env):
+    """A small BPE tokenizer trained on a few expert episodes."""
     texts = []
     for t in env.make_tasks("train", 12, 0):
         ep = env.expert_play(t)
         texts += [x.observation for x in ep.turns] + [x.response for x in ep.turns]
     return train_tokenizer(texts, vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(env):
+    return household_tokenizer(env)
 
 
 def peaky_model(tokenizer, seed=0):

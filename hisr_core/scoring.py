@@ -1,0 +1,93 @@
+"""Batched per-token log-probabilities of responses (METHOD.md stage 6 needs them under the
+scored policy and under the hindsight model).
+
+:func:`token_logprobs` scores many token sequences in few forward passes (sorted by length,
+right-padded batches). :func:`turn_logprobs` scores every response of episodes under the
+policy with exactly the context it had when generated (the prompt builder's window and
+truncation): consecutive turns whose prompts start at the same turn share one sequence, so a
+whole episode usually costs one sequence instead of one prompt per turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from hisr_core.prompts import Encoded, PromptBuilder
+
+
+@torch.inference_mode()
+def token_logprobs(model: PreTrainedModel, seqs: Sequence[Sequence[int]], pad_id: int,
+                   max_batch_tokens: int = 8192) -> list[torch.Tensor]:
+    """Per sequence, ``log p(x_t | x_<t)`` for t = 1..T-1.
+
+    Shape: sequence i of length T_i → (T_i - 1,) float32 on CPU. Batches hold at most
+    ``max_batch_tokens`` padded tokens (rows × longest row); the logits of a batch take
+    ``max_batch_tokens × vocab`` floats, so lower it for large vocabularies.
+    """
+    if any(len(s) < 1 for s in seqs):
+        raise ValueError("every sequence needs at least one token")
+    device = next(model.parameters()).device
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    start = 0
+    while start < len(order):
+        width = len(seqs[order[start]])  # the longest of the batch: rows come longest first
+        rows = max(1, max_batch_tokens // max(width, 1))
+        batch = order[start:start + rows]
+        start += len(batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for j, i in enumerate(batch):
+            ids[j, :len(seqs[i])] = torch.tensor(list(seqs[i]), dtype=torch.long)
+            mask[j, :len(seqs[i])] = 1
+        # Right padding: real tokens keep positions 0..T_i-1, as in a pass of their own.
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(
+            -1, ids[:, 1:, None].to(device)).squeeze(-1).cpu()
+        for j, i in enumerate(batch):
+            out[i] = logp[j, :len(seqs[i]) - 1].clone()
+    return [x for x in out if x is not None]
+
+
+def scoring_sequences(builder: PromptBuilder, system: str,
+                      turns: Sequence[tuple[str, str]]) -> list[Encoded]:
+    """Sequences holding every response once (masked in), each after exactly its generation
+    prompt: a run of consecutive turns whose prompts begin at the same turn is one sequence."""
+    m = len(turns)
+    if m == 0:
+        return []
+    last = builder.prompt(system, turns[:m - 1], turns[m - 1][0])
+    if builder.history is None and last.turns[0] == 0:
+        firsts = [0] * m  # the longest prompt keeps every turn, so all the shorter ones do
+    else:
+        firsts = [builder.prompt(system, turns[:k], turns[k][0]).turns[0] for k in range(m)]
+    out, k = [], 0
+    while k < m:
+        j = k
+        while j + 1 < m and firsts[j + 1] == firsts[k]:
+            j += 1
+        # Turn k's prompt is this sequence up to its assistant header (the same pieces).
+        out.append(builder.encode(system, turns[:j + 1], firsts[k], train_from=k))
+        k = j + 1
+    return out
+
+
+def turn_logprobs(model: PreTrainedModel, builder: PromptBuilder,
+                  episodes: Sequence[tuple[str, Sequence[tuple[str, str]]]],
+                  max_batch_tokens: int = 8192) -> list[list[torch.Tensor]]:
+    """Per episode (system text, (observation, response) turns), per turn k, the log-probs of
+    response k's tokens (its end-of-turn marker included) given the context the policy had
+    when it generated them. Shape: episode → m tensors of shape (L_k,)."""
+    encoded = [(e, enc) for e, (system, turns) in enumerate(episodes)
+               for enc in scoring_sequences(builder, system, turns)]
+    pad = builder.tokenizer.pad_token_id if builder.tokenizer.pad_token_id is not None else 0
+    scores = token_logprobs(model, [enc.input_ids for _, enc in encoded], pad, max_batch_tokens)
+    per_turn: list[list[list[float]]] = [[[] for _ in turns] for _, turns in episodes]
+    for (e, enc), logp in zip(encoded, scores, strict=True):
+        for t in range(1, len(enc.input_ids)):
+            if enc.response_mask[t]:
+                per_turn[e][enc.turn_ids[t]].append(float(logp[t - 1]))
+    return [[torch.tensor(x, dtype=torch.float32) for x in ep] for ep in per_turn]

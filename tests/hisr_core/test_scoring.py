@@ -1,0 +1,72 @@
+"""Batched response log-probs against a naive one-turn-at-a-time reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisr_core.envs import make_environment
+from hisr_core.prompts import PromptBuilder, system_text
+from hisr_core.scoring import scoring_sequences, token_logprobs, turn_logprobs
+from tests.hisr_core.test_rollout import household_tokenizer, peaky_model
+
+
+@pytest.fixture(scope="module")
+def episodes(tokenizer):
+    env = make_environment("household", max_turns=25)
+    out = []
+    for t in env.make_tasks("valid_seen", 4, 0):
+        ep = env.expert_play(t, 0.2)
+        out.append((system_text(t.instruction, env.command_grammar),
+                    [(x.observation, x.response) for x in ep.turns]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return household_tokenizer(make_environment("household", max_turns=25))
+
+
+def naive(model, builder, system, turns):
+    """One forward pass per turn: the generation prompt, then the response."""
+    out = []
+    for k, (obs, resp) in enumerate(turns):
+        prompt = builder.prompt(system, turns[:k], obs).input_ids
+        target = builder._ids(resp) + builder._asst_end
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + target])).logits[0].float()
+        logp = torch.log_softmax(logits, -1)
+        out.append(torch.stack([logp[len(prompt) + j - 1, tok] for j, tok in enumerate(target)]))
+    return out
+
+
+@pytest.mark.parametrize("history, max_tokens", [(None, 4096), (2, 4096), (None, 600)],
+                         ids=["whole-episode", "history-2", "truncated"])
+def test_batched_scores_equal_the_naive_reference(tokenizer, episodes, history, max_tokens):
+    model = peaky_model(tokenizer, seed=6)
+    builder = PromptBuilder(tokenizer, history, max_tokens)
+    batched = turn_logprobs(model, builder, episodes, max_batch_tokens=1500)
+    for (system, turns), got in zip(episodes, batched, strict=True):
+        want = naive(model, builder, system, turns)
+        assert len(got) == len(turns)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape and g.numel() > 0
+            assert torch.allclose(g, w, atol=1e-5, rtol=0)
+    n_seqs = [len(scoring_sequences(builder, system, turns)) for system, turns in episodes]
+    if history is None and max_tokens == 4096:
+        assert n_seqs == [1] * len(episodes), "a whole episode is one sequence"
+    else:
+        assert all(1 < n <= len(turns) for n, (_, turns) in zip(n_seqs, episodes, strict=True))
+
+
+def test_token_logprobs_shapes_and_order(tokenizer):
+    model = peaky_model(tokenizer)
+    seqs = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
+    out = token_logprobs(model, seqs, pad_id=0, max_batch_tokens=6)  # forces several batches
+    assert [o.shape[0] for o in out] == [2, 0, 4]
+    with torch.inference_mode():
+        alone = torch.log_softmax(model(torch.tensor([seqs[2]])).logits[0].float(), -1)
+    assert torch.allclose(out[2], alone[:-1].gather(-1, torch.tensor(seqs[2][1:])[:, None])
+                          .squeeze(-1), atol=1e-5)
+    with pytest.raises(ValueError):
+        token_logprobs(model, [[]], pad_id=0)
