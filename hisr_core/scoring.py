@@ -91,3 +91,23 @@ def turn_logprobs(model: PreTrainedModel, builder: PromptBuilder,
             if enc.response_mask[t]:
                 per_turn[e][enc.turn_ids[t]].append(float(logp[t - 1]))
     return [[torch.tensor(x, dtype=torch.float32) for x in ep] for ep in per_turn]
+
+
+@torch.inference_mode()
+def turn_logprobs_naive(model: PreTrainedModel, builder: PromptBuilder,
+                        episodes: Sequence[tuple[str, Sequence[tuple[str, str]]]]
+                        ) -> list[list[torch.Tensor]]:
+    """The reference for :func:`turn_logprobs`: one forward pass per turn (its generation
+    prompt, then its response). Same output shapes."""
+    device = next(model.parameters()).device
+    out = []
+    for system, turns in episodes:
+        scores = []
+        for k, (obs, resp) in enumerate(turns):
+            prompt = builder.prompt(system, turns[:k], obs).input_ids
+            target = builder._ids(resp) + builder._asst_end  # as generated: text, end marker
+            logits = model(torch.tensor([prompt + target], device=device)).logits[0].float()
+            logp = torch.log_softmax(logits[len(prompt) - 1:-1], -1).cpu()
+            scores.append(logp.gather(-1, torch.tensor(target)[:, None]).squeeze(-1))
+        out.append(scores)
+    return out

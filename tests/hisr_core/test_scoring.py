@@ -7,7 +7,12 @@ import torch
 
 from hisr_core.envs import make_environment
 from hisr_core.prompts import PromptBuilder, system_text
-from hisr_core.scoring import scoring_sequences, token_logprobs, turn_logprobs
+from hisr_core.scoring import (
+    scoring_sequences,
+    token_logprobs,
+    turn_logprobs,
+    turn_logprobs_naive,
+)
 from tests.hisr_core.test_rollout import household_tokenizer, peaky_model
 
 
@@ -27,27 +32,14 @@ def tokenizer():
     return household_tokenizer(make_environment("household", max_turns=25))
 
 
-def naive(model, builder, system, turns):
-    """One forward pass per turn: the generation prompt, then the response."""
-    out = []
-    for k, (obs, resp) in enumerate(turns):
-        prompt = builder.prompt(system, turns[:k], obs).input_ids
-        target = builder._ids(resp) + builder._asst_end
-        with torch.inference_mode():
-            logits = model(torch.tensor([prompt + target])).logits[0].float()
-        logp = torch.log_softmax(logits, -1)
-        out.append(torch.stack([logp[len(prompt) + j - 1, tok] for j, tok in enumerate(target)]))
-    return out
-
-
 @pytest.mark.parametrize("history, max_tokens", [(None, 4096), (2, 4096), (None, 600)],
                          ids=["whole-episode", "history-2", "truncated"])
 def test_batched_scores_equal_the_naive_reference(tokenizer, episodes, history, max_tokens):
     model = peaky_model(tokenizer, seed=6)
     builder = PromptBuilder(tokenizer, history, max_tokens)
     batched = turn_logprobs(model, builder, episodes, max_batch_tokens=1500)
-    for (system, turns), got in zip(episodes, batched, strict=True):
-        want = naive(model, builder, system, turns)
+    reference = turn_logprobs_naive(model, builder, episodes)
+    for (_, turns), got, want in zip(episodes, batched, reference, strict=True):
         assert len(got) == len(turns)
         for g, w in zip(got, want, strict=True):
             assert g.shape == w.shape and g.numel() > 0

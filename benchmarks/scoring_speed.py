@@ -1,0 +1,76 @@
+"""Scored turns/s of the batched response scorer (``hisr_core.scoring.turn_logprobs``)
+against a naive reference that runs one forward pass per turn (its generation prompt, then
+its response), on household trajectories with the default model, measured in one run. Prints
+one JSON object (and writes it with ``--out``).
+
+    python benchmarks/scoring_speed.py --model data/sft/pi_ref --episodes 32
+
+The trajectories are the expert's on ``valid_seen`` tasks (with slips). Both sides score the
+same turns with the same model; the largest difference between their log-probs is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+from _emit import emit  # benchmarks/, on the path when a benchmark runs as a script
+
+ROOT = Path(__file__).resolve().parents[1]
+try:
+    import hisr_core  # noqa: F401
+except ImportError:  # run from a checkout without installing the package
+    sys.path.insert(0, str(ROOT))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=ROOT / "data" / "sft" / "pi_ref")
+    parser.add_argument("--episodes", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from hisr_core.envs import make_environment
+    from hisr_core.models import load_model, load_tokenizer
+    from hisr_core.prompts import PromptBuilder, system_text
+    from hisr_core.scoring import turn_logprobs, turn_logprobs_naive
+
+    if not (args.model / "config.json").is_file():
+        raise SystemExit(f"no model folder at {args.model} (run `dvc repro sft` first)")
+    torch.set_num_threads(args.threads)
+    env = make_environment("household", 40)
+    episodes = []
+    for task in env.make_tasks("valid_seen", args.episodes, 0):
+        ep = env.expert_play(task, 0.1)
+        episodes.append((system_text(task.instruction, env.command_grammar),
+                         [(t.observation, t.response) for t in ep.turns]))
+    turns = sum(len(t) for _, t in episodes)
+    model = load_model(args.model).eval()
+    builder = PromptBuilder(load_tokenizer(args.model), None, 2048)
+    start = time.perf_counter()
+    batched = turn_logprobs(model, builder, episodes)
+    batched_s = time.perf_counter() - start
+    start = time.perf_counter()
+    reference = turn_logprobs_naive(model, builder, episodes)
+    naive_s = time.perf_counter() - start
+    diff = max(float((a - b).abs().max()) for x, y in zip(batched, reference, strict=True)
+               for a, b in zip(x, y, strict=True))
+    model_path = args.model.resolve()
+    emit({"benchmark": "scoring_speed", "env": "household",
+          "model": (str(model_path.relative_to(ROOT)) if model_path.is_relative_to(ROOT)
+                    else model_path.name),
+          "episodes": len(episodes), "turns": turns,
+          "batched": {"seconds": round(batched_s, 2), "turns_per_s": round(turns / batched_s, 1)},
+          "naive": {"seconds": round(naive_s, 2), "turns_per_s": round(turns / naive_s, 1)},
+          "speedup": round(naive_s / batched_s, 2), "max_abs_logprob_diff": diff,
+          "python": platform.python_version(), "threads": args.threads}, args.out)
+
+
+if __name__ == "__main__":
+    main()
