@@ -9,14 +9,16 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Self
+from http.server import BaseHTTPRequestHandler
+from typing import Any
+
+from tests.local_http import LocalServer, send_json
 
 #: A script entry: an HTTP status (an error answer), or the text of the model's answer.
 Reply = int | str
 
 
-class ChatServer:
+class ChatServer(LocalServer):
     """Answers ``POST /v1/chat/completions``. ``reply(request_body, n)`` gives the n-th
     request's :data:`Reply`; by default, the next item of ``script`` (then ``default``)."""
 
@@ -58,24 +60,6 @@ class ChatServer:
 
             def _send(self, status: int, payload: dict[str, Any],
                       headers: dict[str, str] | None = None) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                for k, v in (headers or {}).items():
-                    self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, status, payload, headers)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> Self:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=10)
+        super().__init__(Handler)

@@ -14,15 +14,16 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Self
+from http.server import BaseHTTPRequestHandler
+from typing import Any
 
 import torch
 
 from hisr_core.rollout import HFGenerator, Sampling
+from tests.local_http import LocalServer, send_json
 
 
-class CompletionServer:
+class CompletionServer(LocalServer):
     def __init__(self, model: Any, tokenizer: Any, name: str = "tiny") -> None:
         self.model, self.tokenizer, self.name = model.eval(), tokenizer, name
         self.lock = threading.Lock()
@@ -58,33 +59,13 @@ class CompletionServer:
                 self._send(200, answer)
 
             def _send(self, status: int, payload: dict[str, Any]) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, status, payload)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> Self:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        super().__init__(Handler)
 
     def go_away_after(self, answers: int) -> None:
         """Answer ``answers`` more requests, then shut down (connections are refused)."""
         self.answers_left = answers
-
-    def stop(self) -> None:
-        if self.thread.is_alive():
-            self.httpd.shutdown()
-            self.httpd.server_close()
-            self.thread.join(timeout=10)
 
     @torch.inference_mode()
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:
