@@ -137,8 +137,9 @@ OFFLINE = ("rule", "entropy", "turn")
 
 def segment_offline(segmenter: str, turns: Sequence[Mapping[str, Any]], verbs: Sequence[str],
                     entropy_threshold: float, entropy_min_turns: int) -> list[Segment]:
-    """The validated segments of one trajectory (``turns``: rows with ``action`` and, for
-    ``entropy``, ``entropy``) by an offline segmenter."""
+    """The segments of one trajectory (``turns``: rows with ``action`` and, for ``entropy``,
+    ``entropy``) by an offline segmenter; the caller validates them (:func:`validate`), as it
+    does every segmenter's."""
     actions = [t["action"] for t in turns]
     if segmenter == "rule":
         segments = by_rule(actions, verbs)
@@ -149,7 +150,6 @@ def segment_offline(segmenter: str, turns: Sequence[Mapping[str, Any]], verbs: S
         segments = by_turn(actions)
     else:
         raise ValueError(f"unknown offline segmenter {segmenter!r}; expected one of {OFFLINE}")
-    validate(segments, len(turns))
     return segments
 
 
