@@ -14,7 +14,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from tasks.cli import load_or_exit, stage_parser
+from tasks.cli import load_or_exit, require, stage_parser
 from tasks.expert import check_env
 from tasks.tracking import log_metrics, stage_run
 
@@ -26,10 +26,7 @@ def segment_flow(params_path: Path = Path("params.yaml"), data: Path = Path("dat
     from tasks.segment import segment, write_histogram
 
     params = load_or_exit(params_path, lambda p: check_env(p.env))
-    d_ct = data / "collect" / "d_ct.parquet"
-    if not d_ct.is_file():
-        raise SystemExit(f"error: {d_ct} does not exist; run the collect stage first "
-                         "(dvc repro collect)")
+    d_ct = require(data / "collect" / "d_ct.parquet", "collect")
     out = data / "segment"
     sections = {"env": {"name": params.env.name}, "segment": params.segment.model_dump()}
     with stage_run(params, "segment", sections):

@@ -106,14 +106,14 @@ class ModelParams(Section):
     """LoRA adapters (off by default)."""
 
 
-class SftParams(Section):
-    """The ``sft`` stage: behaviour cloning of ``D_bc`` (NLL of response tokens only)."""
+class FitParams(Section):
+    """The optimisation loop shared by every stage that fits a model (sft, sprm, hindsight)."""
 
     seed: int = Field(0, ge=0)
     """Seed of model creation, data order and dropout."""
 
     epochs: float = Field(2.0, gt=0)
-    """Passes over ``D_bc`` (fractions allowed)."""
+    """Passes over the training examples (fractions allowed)."""
 
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many optimizer steps (``null``: run all epochs)."""
@@ -131,7 +131,7 @@ class SftParams(Section):
     """AdamW weight decay (not applied to biases and norms)."""
 
     micro_batch_size: int = Field(8, ge=1)
-    """Sequences per forward pass and process."""
+    """Examples per forward pass and process (sequences; trajectories for the SPRM)."""
 
     grad_accum: int = Field(1, ge=1)
     """Micro-batches per optimizer step."""
@@ -147,6 +147,69 @@ class SftParams(Section):
 
     log_every: int = Field(10, ge=1)
     """Optimizer steps between logged losses."""
+
+
+class SftParams(FitParams):
+    """The ``sft`` stage: behaviour cloning of ``D_bc`` (NLL of response tokens only)."""
+
+
+class SprmParams(FitParams):
+    """The ``sprm`` stage: the segment-level process reward model, fitted on ``D_st`` with the
+    loss ``(R - sum_i r_i)^2`` per trajectory (METHOD.md stage 4)."""
+
+    epochs: float = Field(4.0, gt=0)
+    lr: float = Field(5e-4, gt=0, le=1.0)
+    micro_batch_size: int = Field(4, ge=1)
+    log_every: int = Field(5, ge=1)
+
+    head_dim: int | None = Field(None, ge=1)
+    """Width of the head's hidden layer ``W1`` (``null``: the backbone's hidden size)."""
+
+    holdout: float = Field(0.2, ge=0.0, lt=1.0)
+    """Share of tasks held out (all samples of a task go together) for MSE and Pearson r."""
+
+    lora: LoraParams = Field(default_factory=LoraParams)
+    """LoRA adapters on the backbone instead of full fine-tuning (the head is always trained)."""
+
+
+class HindsightParams(FitParams):
+    """The ``hindsight`` stage: ``pi_hind`` recovers a masked response from the whole trajectory
+    and its outcome (METHOD.md stage 5); one example per turn of ``D_ct``."""
+
+    epochs: float = Field(1.0, gt=0)
+    lr: float = Field(1e-3, gt=0, le=1.0)
+
+    window: int | None = Field(2, ge=0)
+    """Turns kept on each side of the masked one (``null``: all that fit ``model.max_tokens``;
+    turns farthest from it are dropped first)."""
+
+    holdout: float = Field(0.2, ge=0.0, lt=1.0)
+    """Share of tasks held out to compare ``pi_hind``'s NLL with ``pi_ref``'s."""
+
+    lora: LoraParams = Field(default_factory=LoraParams)
+    """LoRA adapters instead of full fine-tuning."""
+
+
+class RewardsParams(Section):
+    """The ``rewards`` stage: hindsight-modulated segmental rewards of ``D_st`` (METHOD.md
+    stages 6 and 7), scored with ``pi_ref`` as the policy."""
+
+    beta: float = Field(1.0, gt=0)
+    """Temperature of ``log_ratio_k = (1 / (beta L)) sum_j [log pi_hind - log pi]``."""
+
+    alpha: float = Field(0.1, ge=0.0, le=1.0)
+    """Weight of the action-grounding reward; segment rewards get ``1 - alpha``."""
+
+    variants: list[Literal["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo"]] = Field(
+        default_factory=lambda: ["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo"],
+        min_length=1)
+    """Reward variants written (METHOD.md's table); ``no_spr``/``no_both`` use turn segments."""
+
+    max_batch_tokens: int = Field(8192, ge=64)
+    """Padded tokens per scoring forward pass (rows x longest row)."""
+
+    cases: int = Field(3, ge=0)
+    """Successful and failed trajectories shown in the case tables (each)."""
 
 
 class OpenAIParams(Section):
@@ -209,7 +272,7 @@ class CollectParams(Section):
     seed: int = Field(0, ge=0)
     """Sampling seed (same seed and ``hf`` backend: identical ``D_ct``)."""
 
-    n_tasks: int | None = Field(50, ge=1)
+    n_tasks: int | None = Field(100, ge=1)
     """The first ``n_tasks`` training tasks (``null``: all)."""
 
     samples_per_task: int = Field(4, ge=1)
@@ -324,6 +387,15 @@ class Params(Section):
 
     segment: SegmentParams = Field(default_factory=SegmentParams)
     """Segmentation into sub-goal segments."""
+
+    sprm: SprmParams = Field(default_factory=SprmParams)
+    """The segment-level process reward model."""
+
+    hindsight: HindsightParams = Field(default_factory=HindsightParams)
+    """The hindsight model ``pi_hind``."""
+
+    rewards: RewardsParams = Field(default_factory=RewardsParams)
+    """Hindsight-modulated segmental rewards."""
 
     tracking: TrackingParams = Field(default_factory=TrackingParams)
     """MLflow tracking."""

@@ -76,6 +76,36 @@ _EPISODE_COLUMNS = [
     pa.field("final_observation", pa.string(), nullable=False),
 ]
 
+#: A segment with its rewards (the paper's Table 2 columns): the SPRM's ``r_hat``, the
+#: normalised hindsight importance ``z`` and the modulated ``r_him``.
+SCORED_SEGMENT = pa.struct(
+    [
+        *SEGMENT,
+        pa.field("r_hat", pa.float64(), nullable=False),
+        pa.field("importance", pa.float64(), nullable=False),
+        pa.field("r_him", pa.float64(), nullable=False),
+    ]
+)
+
+#: Per-turn scores: the hindsight log-ratio, the normalised turn importance, the grounding bit.
+SCORED_TURN = pa.struct(
+    [
+        pa.field("action", pa.string(), nullable=False),
+        pa.field("admissible", pa.bool_(), nullable=False),
+        pa.field("log_ratio", pa.float64(), nullable=False),
+        pa.field("importance", pa.float64(), nullable=False),
+    ]
+)
+
+#: One variant's reward per turn, placed on the turn's last response token.
+VARIANT_REWARDS = pa.struct(
+    [
+        pa.field("variant", pa.string(), nullable=False),
+        pa.field("turn_rewards", pa.list_(pa.field("item", pa.float64(), nullable=False)),
+                 nullable=False),
+    ]
+)
+
 SCHEMAS: dict[str, pa.Schema] = {
     # One row per task of a split; ``spec`` rebuilds the episode (see hisr_core.envs.Task).
     "tasks": pa.schema(
@@ -119,6 +149,24 @@ SCHEMAS: dict[str, pa.Schema] = {
                      nullable=False),
             pa.field("fallback", pa.bool_(), nullable=False),
             pa.field("fallback_reason", pa.string(), nullable=False),
+        ]
+    ),
+    # The rewards of D_st (METHOD.md stages 6-7), one row per trajectory: its segments with
+    # (r_hat, z, r_him), its turns' hindsight scores, and each variant's per-turn rewards.
+    "rewards": pa.schema(
+        [
+            *_TASK_COLUMNS,
+            pa.field("sample", pa.int32(), nullable=False),
+            pa.field("n_turns", pa.int32(), nullable=False),
+            pa.field("won", pa.bool_(), nullable=False),
+            pa.field("outcome", pa.float64(), nullable=False),
+            pa.field("segmenter", pa.string(), nullable=False),
+            pa.field("segments", pa.list_(pa.field("item", SCORED_SEGMENT, nullable=False)),
+                     nullable=False),
+            pa.field("turns", pa.list_(pa.field("item", SCORED_TURN, nullable=False)),
+                     nullable=False),
+            pa.field("variants", pa.list_(pa.field("item", VARIANT_REWARDS, nullable=False)),
+                     nullable=False),
         ]
     ),
 }

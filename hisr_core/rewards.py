@@ -8,16 +8,20 @@ per-turn hindsight log-ratios.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
 
-from hisr_core.segment import Segment
+from hisr_core.segment import Segment, by_turn
 
 Variant = Literal["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo"]
 #: Variants that modulate the segment rewards by hindsight (the others use ``r_hat`` as is).
 MODULATED: frozenset[str] = frozenset({"hisr", "no_spr", "no_agr"})
+
+#: Variants whose segments are single turns, rewarded by the turn-level reward model.
+TURN_LEVEL: frozenset[str] = frozenset({"no_spr", "no_both"})
 
 #: ``sum |m|`` below this counts as zero: the trajectory's rewards are left unmodulated.
 EPS = 1e-8
@@ -116,3 +120,65 @@ def variant_rewards(variant: Variant, r_hat: torch.Tensor, log_ratios: torch.Ten
     rewards = modulate(r_hat, segment_importance(log_ratios, segments)) \
         if variant in MODULATED else r_hat.double()
     return fused_turn_rewards(rewards, segments, admissible, 0.0 if variant == "no_agr" else alpha)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectoryRewards:
+    """Everything the rewards stage records for one trajectory (m turns, n segments).
+
+    Shapes: log_ratios, turn_importance (m,); r_hat, segment_importance, r_him (n,);
+    variants: name → (m,) per-turn rewards (on each turn's last response token).
+    """
+
+    log_ratios: torch.Tensor
+    turn_importance: torch.Tensor
+    r_hat: torch.Tensor
+    segment_importance: torch.Tensor
+    r_him: torch.Tensor
+    variants: dict[str, torch.Tensor]
+
+
+def trajectory_rewards(policy_logp: Sequence[torch.Tensor], hindsight_logp: Sequence[torch.Tensor],
+                       segment_model_r: torch.Tensor, turn_model_r: torch.Tensor | None,
+                       segments: Sequence[Segment], admissible: Sequence[bool], outcome: float,
+                       beta: float, alpha: float, variants: Sequence[Variant]) -> TrajectoryRewards:
+    """Stage 6 for one trajectory, and the fused rewards of each variant.
+
+    ``policy_logp`` / ``hindsight_logp``: m tensors (L_k,), turn k's response tokens under the
+    scored policy and under ``pi_hind``. ``segment_model_r`` (m,): the SPRM's reward of a
+    segment ending at each turn (``R_hat = r[last turn of each segment]``); ``turn_model_r``
+    (m,): the turn-level model's, needed by ``no_spr`` / ``no_both``.
+    """
+    m = len(admissible)
+    if len(policy_logp) != m or len(hindsight_logp) != m or segment_model_r.numel() != m:
+        raise ValueError(f"{len(policy_logp)} policy and {len(hindsight_logp)} hindsight turns, "
+                         f"{segment_model_r.numel()} SPRM rewards for {m} turns")
+    ratios = torch.tensor([log_ratio(h, p, beta) for h, p in
+                           zip(hindsight_logp, policy_logp, strict=True)], dtype=torch.float64)
+    last = torch.tensor([s.last for s in segments], dtype=torch.long)
+    r_hat = segment_model_r.double()[last]
+    z_seg = segment_importance(ratios, segments)
+    turns = by_turn([""] * m)
+    out: dict[str, torch.Tensor] = {}
+    for v in variants:
+        if v in TURN_LEVEL:
+            if turn_model_r is None:
+                raise ValueError(f"variant {v} needs the turn-level reward model")
+            out[v] = variant_rewards(v, turn_model_r.double(), ratios, turns, admissible, alpha,
+                                     outcome)
+        else:
+            out[v] = variant_rewards(v, r_hat, ratios, segments, admissible, alpha, outcome)
+    return TrajectoryRewards(ratios, turn_importance(ratios), r_hat, z_seg,
+                             modulate(r_hat, z_seg), out)
+
+
+POSITIONS = ("first", "middle", "last")
+
+
+def position_mass(rewards: torch.Tensor) -> torch.Tensor:
+    """Absolute reward mass of the first segment, the middle ones, and the last (the paper's
+    Fig. 4 bins). Shape: (n,) with n >= 3 → (3,)."""
+    if rewards.numel() < 3:
+        raise ValueError(f"position bins need >= 3 segments, got {rewards.numel()}")
+    a = rewards.double().abs()
+    return torch.stack([a[0], a[1:-1].sum(), a[-1]])

@@ -10,12 +10,21 @@ whole episode usually costs one sequence instead of one prompt per turn.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from hisr_core.prompts import Encoded, PromptBuilder
+from hisr_core.prompts import Encoded, PromptBuilder, system_text
+
+Episode = tuple[str, list[tuple[str, str]]]
+
+
+def episode_of(row: Mapping[str, Any], grammar: Sequence[str]) -> Episode:
+    """(system text, (observation, response) turns) of a trajectory row, as the policy saw it."""
+    return (system_text(row["instruction"], grammar),
+            [(t["observation"], t["response"]) for t in row["turns"]])
 
 
 @torch.inference_mode()
@@ -50,6 +59,17 @@ def token_logprobs(model: PreTrainedModel, seqs: Sequence[Sequence[int]], pad_id
         for j, i in enumerate(batch):
             out[i] = logp[j, :len(seqs[i]) - 1].clone()
     return [x for x in out if x is not None]
+
+
+def masked_logprobs(model: PreTrainedModel, encoded: Sequence[Encoded], pad_id: int,
+                    max_batch_tokens: int = 8192) -> list[torch.Tensor]:
+    """Per sequence, the log-probs of its masked-in tokens (in order) given everything before
+    them. Shape: sequence with M masked tokens (none at position 0) → (M,) float32."""
+    if any(enc.response_mask and enc.response_mask[0] for enc in encoded):
+        raise ValueError("a masked token at position 0 has no context to be scored from")
+    scores = token_logprobs(model, [enc.input_ids for enc in encoded], pad_id, max_batch_tokens)
+    return [logp[torch.tensor(enc.response_mask[1:], dtype=torch.bool)]
+            for enc, logp in zip(encoded, scores, strict=True)]
 
 
 def scoring_sequences(builder: PromptBuilder, system: str,

@@ -1,4 +1,4 @@
-"""The training engine shared by behaviour cloning (stage 1) and, later, PPO (stage 7).
+"""The training engine shared by every stage that fits a model (SFT, SPRM, hindsight; PPO).
 
 One small :class:`Engine` runs the same step code on two backends:
 
@@ -16,7 +16,7 @@ The algorithm code calls only::
 Gradient scaling is left entirely to the caller: :meth:`Engine.backward` never divides by the
 number of accumulation steps (DeepSpeed's default does; it is switched off here), and both
 backends average gradients over ranks. A caller that wants ``sum / global_count`` passes
-``local_sum * world_size / global_count`` (see :mod:`hisr_core.sft`).
+``local_sum * world_size / global_count`` (see :mod:`hisr_core.fit`).
 
 This module imports DeepSpeed only when that backend is chosen (it is the optional ``gpu`` extra).
 """
@@ -335,7 +335,8 @@ class Engine:
         return {"lr": lr, "grad_norm": grad_norm}
 
     @contextlib.contextmanager
-    def _full_weights(self) -> Iterator[None]:
+    def full_weights(self) -> Iterator[None]:
+        """Inside, every rank sees the whole weights (ZeRO-3 gathers its partitions)."""
         if self.backend == "deepspeed" and self.spec.zero_stage == 3:
             import deepspeed
 
@@ -351,7 +352,7 @@ class Engine:
         Collective: every rank must call it (ZeRO-3 gathers the partitioned weights first).
         """
         out_dir = Path(out_dir)
-        with self._full_weights():
+        with self.full_weights():
             if self.info.is_main:
                 save_model_folder(self.model, out_dir, tokenizer)
         barrier()

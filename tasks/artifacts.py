@@ -11,6 +11,10 @@ from hisr_core import contracts
 LOCATIONS: dict[str, str] = {
     "tasks/*.parquet": "tasks",
     "expert/d_bc.parquet": "expert_trajectories",
+    "collect/d_ct.parquet": "rollouts",
+    "collect/dropped.parquet": "rollouts",
+    "segment/d_st.parquet": "segmented",
+    "rewards/rewards.parquet": "rewards",
 }
 
 

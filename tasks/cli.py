@@ -29,3 +29,11 @@ def load_or_exit(path: Path, check: Callable[[Params], None] | None = None) -> P
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     return params
+
+
+def require(path: Path, stage: str) -> Path:
+    """``path`` if it exists, else exit naming the stage that makes it."""
+    if not path.exists():
+        raise SystemExit(f"error: {path} does not exist; run the {stage} stage first "
+                         f"(dvc repro {stage})")
+    return path

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from hisr_core.models import build_builtin, is_builtin, load_model, load_tokeniz
 from hisr_core.prompts import PromptBuilder, system_text
 from hisr_core.sft import encode_trajectories, train_sft
 from hisr_core.training import resolve_dtype
+from tasks.tracking import LossCurve
 
 
 def corpus(d_bc_path: Path, env_name: str) -> list[str]:
@@ -50,21 +50,9 @@ def train(params: Params, base: str, d_bc_path: Path, out_dir: Path, loss_csv: P
     rows = contracts.read_rows(d_bc_path, "expert_trajectories")
     grammar = environment_class(params.env.name).command_grammar
     sequences = encode_trajectories(rows, builder, grammar)
-    curve: list[tuple[int, float]] = []
-
-    def on_log(step: int, metrics: dict[str, float]) -> None:
-        curve.append((step, metrics["losses/sft"]))
-        if run_id is not None:
-            import mlflow
-
-            mlflow.log_metrics(metrics, step=step, run_id=run_id)
-
-    stats = train_sft(model, tokenizer, sequences, params.sft, params.model.dtype, on_log,
+    curve = LossCurve("sft", run_id)
+    stats = train_sft(model, tokenizer, sequences, params.sft, params.model.dtype, curve,
                       lora=params.model.lora, out_dir=out_dir)
     if loss_csv is not None:
-        loss_csv.parent.mkdir(parents=True, exist_ok=True)
-        tmp = loss_csv.with_suffix(".tmp")
-        with tmp.open("w", newline="") as f:
-            csv.writer(f).writerows([("step", "loss"), *curve])
-        tmp.replace(loss_csv)
+        curve.write_csv(loss_csv)
     return {**stats, "sequences": len(sequences), "trajectories": len(rows)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -72,3 +73,27 @@ def log_metrics(metrics: Mapping[str, Any], path: str | Path | None = None) -> N
     if path is not None:
         write_json(metrics, path)
         mlflow.log_artifact(str(path))
+
+
+class LossCurve:
+    """An ``on_log`` callback for :func:`hisr_core.fit.fit`: logs each step's metrics to the
+    MLflow run ``run_id`` (if any) and keeps ``(step, loss)`` for a DVC plot."""
+
+    def __init__(self, name: str, run_id: str | None) -> None:
+        self.name, self.run_id = name, run_id
+        self.points: list[tuple[int, float]] = []
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        self.points.append((step, metrics[f"losses/{self.name}"]))
+        if self.run_id is not None:
+            import mlflow
+
+            mlflow.log_metrics(metrics, step=step, run_id=self.run_id)
+
+    def write_csv(self, path: Path) -> None:
+        """``step,loss`` rows, written atomically."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        with tmp.open("w", newline="") as f:
+            csv.writer(f).writerows([("step", "loss"), *self.points])
+        tmp.replace(path)

@@ -9,34 +9,12 @@ from pathlib import Path
 import pytest
 
 from hisr_core import contracts
-from hisr_core.envs import make_environment
 from hisr_core.segment import Segment, validate
 from tests.chat_server import ChatServer
 from tests.hisr_core.test_segment import good_answer
+from tests.household_data import write_d_ct
 
 SECRET = "sk-test-9f8e7d6c5b4a-do-not-log"
-
-
-def write_d_ct(data: Path, n: int = 6) -> list[dict]:
-    """D_ct made of household expert episodes (with slips); every third one cut short and
-    counted a failure, so both outcomes appear."""
-    env = make_environment("household", max_turns=40)
-    rows = []
-    for i, t in enumerate(env.make_tasks("train", n, 0)):
-        turns = [{"observation": x.observation, "response": x.response, "action": x.action,
-                  "admissible": x.admissible, "parsed": True, "prompt_tokens": 100 + k,
-                  "response_tokens": 12, "entropy": 0.3 + 0.4 * (k % 3)}
-                 for k, x in enumerate(env.expert_play(t, 0.1).turns)]
-        won = i % 3 != 0
-        turns = turns if won else turns[:-2]
-        rows.append({**t.to_row(), "sample": 0, "policy": "pi_ref", "turns": turns,
-                     "n_turns": len(turns), "won": won, "score": float(won),
-                     "truncated": not won, "final_observation": "", "outcome": float(won),
-                     "drop_reason": ""})
-    for r in rows:
-        del r["seed"], r["spec"]
-    contracts.write_rows(rows, data / "collect" / "d_ct.parquet", "rollouts")
-    return rows
 
 
 def test_segment_rule_writes_d_st_and_the_histogram(tmp_path, run_module, write_params):

@@ -11,7 +11,9 @@ from hisr_core.rewards import (
     fused_turn_rewards,
     log_ratio,
     modulate,
+    position_mass,
     segment_importance,
+    trajectory_rewards,
     turn_importance,
     variant_rewards,
 )
@@ -106,3 +108,50 @@ def test_fused_rewards_and_variants():
                           t(0.0, 0.0, 1.0))
     with pytest.raises(ValueError, match="2 log-ratios"):
         variant_rewards("hisr", r_hat, lr[:2], segs, admissible, 0.5, 1.0)
+
+
+def test_trajectory_rewards_by_hand():
+    """3 turns, segments {0, 1} and {2}; one response token per turn, beta = 1.
+
+    Log-ratios: hind - policy = (0, 0, ln 2) → z = (1, 1, 2) / 4 → segment importance
+    (0.5, 0.5). SPRM rewards read at each segment's last turn: r_hat = (r[1], r[2]) =
+    (0.2, 0.6); m = r_hat * z = (0.1, 0.3), sum|m| = 0.4, sum|r_hat| = 0.8 → r_him = m * 2 =
+    (0.2, 0.6). hisr with alpha = 0.5, grounding (1, 0, 1): 0.5 * r_g on every turn plus
+    0.5 * r_him on segment ends → (0.5, 0.1, 0.5 + 0.3). no_spr: the turn model's
+    r' = (0.1, 0.1, 0.8) times the turn importance (0.25, 0.25, 0.5) → m = (0.025, 0.025, 0.4),
+    rescaled by sum|r'| / sum|m| = 1 / 0.45.
+    """
+    policy = [t(-1.0), t(-1.0), t(-1.0)]
+    hind = [t(-1.0), t(-1.0), t(-1.0 + math.log(2))]
+    segs = spans(2, 1)
+    res = trajectory_rewards(policy, hind, t(9.0, 0.2, 0.6), t(0.1, 0.1, 0.8), segs,
+                             [True, False, True], 1.0, beta=1.0, alpha=0.5,
+                             variants=["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo"])
+    assert torch.allclose(res.log_ratios, t(0, 0, math.log(2)))
+    assert torch.allclose(res.turn_importance, t(0.25, 0.25, 0.5))
+    assert torch.allclose(res.r_hat, t(0.2, 0.6))
+    assert torch.allclose(res.segment_importance, t(0.5, 0.5))
+    assert torch.allclose(res.r_him, t(0.2, 0.6))
+    assert torch.allclose(res.variants["hisr"], t(0.5, 0.1, 0.8))
+    assert torch.allclose(res.variants["no_him"], t(0.5, 0.1, 0.8))
+    assert torch.allclose(res.variants["no_agr"], t(0.0, 0.2, 0.6))
+    scale = 1.0 / 0.45
+    assert torch.allclose(res.variants["no_spr"],
+                          0.5 * t(1, 0, 1) + 0.5 * t(0.025, 0.025, 0.4) * scale)
+    assert torch.allclose(res.variants["no_both"], 0.5 * t(1, 0, 1) + 0.5 * t(0.1, 0.1, 0.8))
+    assert torch.allclose(res.variants["ppo"], t(0, 0, 1))
+    with pytest.raises(ValueError, match="turn-level"):
+        trajectory_rewards(policy, hind, t(0, 0.2, 0.6), None, segs, [True] * 3, 1.0, 1.0, 0.5,
+                           ["no_spr"])
+    with pytest.raises(ValueError, match="for 3 turns"):
+        trajectory_rewards(policy[:2], hind, t(0, 0.2, 0.6), None, segs, [True] * 3, 1.0, 1.0,
+                           0.5, ["hisr"])
+
+
+def test_position_mass():
+    # |(-1, 2, 3, 0.5)|: first 1, middle 2 + 3, last 0.5.
+    assert torch.allclose(position_mass(t(-1, 2, 3, 0.5)), t(1, 5, 0.5))
+    assert torch.allclose(position_mass(t(1, 0, 2)), t(1, 0, 2))
+    with pytest.raises(ValueError):
+        position_mass(t(1, 2))
+

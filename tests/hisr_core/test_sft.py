@@ -20,19 +20,10 @@ import pytest
 import torch
 
 from hisr_core import sft
+from hisr_core.fit import count_steps, epoch_batches, rank_slice, step_windows
 from hisr_core.models import build_builtin, load_model, load_tokenizer
 from hisr_core.prompts import PromptBuilder
-from hisr_core.sft import (
-    IGNORE,
-    ResponseNLL,
-    collate,
-    count_steps,
-    encode_trajectories,
-    epoch_batches,
-    rank_slice,
-    step_windows,
-    train_sft,
-)
+from hisr_core.sft import IGNORE, ResponseNLL, collate, encode_trajectories, train_sft
 from hisr_core.training import DistInfo
 from tests.hf_fixtures import save_tiny_qwen
 from tests.hisr_core.sft_worker import GRAMMAR, corpus, make_rows, sft_params, train
@@ -105,7 +96,7 @@ def test_labels_are_response_tokens_and_end_markers_never_padding(tokenizer):
         end_id = tokenizer.convert_tokens_to_ids("<|end|>")
         assert learned.tolist().count(end_id) == len(seq.turns)
         assert learned[-1] == end_id
-    assert batch.n_response == sum(sum(s.response_mask) for s in seqs)
+    assert batch.n_units == sum(sum(s.response_mask) for s in seqs)
     assert batch.n_tokens == len(short.input_ids) + len(long.input_ids)
 
 
@@ -153,7 +144,7 @@ def test_loss_is_response_nll_and_padding_changes_nothing(tiny_dir, tokenizer, m
         monkeypatch.setattr(sft, "lm_parts", lambda m: None)  # the full-logits path
         nll_full = loss_fn(input_ids=both.input_ids, labels=both.labels)
     torch.testing.assert_close(nll_both, sum(nll_alone), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(nll_both / both.n_response, hf, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nll_both / both.n_units, hf, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(nll_full, nll_both, rtol=1e-5, atol=1e-4)
 
 

@@ -1,0 +1,62 @@
+"""Task of the ``hindsight`` stage: fit ``pi_hind`` on masked-response examples of ``D_ct``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from prefect import task
+
+from hisr_core import contracts
+from hisr_core.config import Params
+from hisr_core.envs import environment_class
+from hisr_core.fit import split_by_task
+from hisr_core.hindsight import hindsight_logprobs, trajectory_examples
+from hisr_core.models import load_model, load_tokenizer
+from hisr_core.prompts import PromptBuilder
+from hisr_core.scoring import episode_of, turn_logprobs
+from hisr_core.sft import train_sft
+from hisr_core.training import resolve_dtype
+from tasks.tracking import LossCurve
+
+
+def _nll(logps: list[list[torch.Tensor]]) -> float:
+    """Mean token NLL over every response token."""
+    flat = torch.cat([x for ep in logps for x in ep])
+    return float(-flat.double().mean())
+
+
+@task(name="fit-hindsight")
+def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_csv: Path,
+                  run_id: str | None) -> dict[str, Any]:
+    """Train ``pi_hind`` from ``pi_ref`` on the training tasks of ``D_ct`` (one example per
+    turn); save it to ``out_dir``. On held-out tasks, report the mean token NLL of the
+    responses under ``pi_hind`` (hindsight context) and under ``pi_ref`` (prefix context)."""
+    cfg = params.hindsight
+    dtype = resolve_dtype(params.model.dtype)
+    tokenizer = load_tokenizer(pi_ref)
+    builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
+    grammar = environment_class(params.env.name).command_grammar
+    rows = contracts.read_rows(d_ct, "rollouts")
+    train_idx, held_idx = split_by_task([r["task_id"] for r in rows], cfg.holdout, cfg.seed)
+    examples = [e for i in train_idx
+                for e in trajectory_examples(builder, rows[i], grammar, cfg.window)]
+    if not examples:
+        raise ValueError(f"{d_ct} has no training trajectories")
+    curve = LossCurve("hindsight", run_id)
+    stats = train_sft(load_model(pi_ref, dtype=dtype), tokenizer, examples, cfg,
+                      params.model.dtype, curve, lora=cfg.lora, out_dir=out_dir,
+                      name="hindsight")
+    curve.write_csv(loss_csv)
+    report: dict[str, Any] = {"fit": {**stats, "examples": len(examples)}}
+    if held_idx:
+        held = [rows[i] for i in held_idx]
+        hind = hindsight_logprobs(load_model(out_dir, dtype=dtype).eval(), builder, held,
+                                  grammar, cfg.window)
+        ref = turn_logprobs(load_model(pi_ref, dtype=dtype).eval(), builder,
+                            [episode_of(r, grammar) for r in held])
+        report["heldout"] = {"nll_hind": _nll(hind), "nll_ref": _nll(ref),
+                             "trajectories": len(held),
+                             "tokens": sum(len(x) for ep in hind for x in ep)}
+    return report

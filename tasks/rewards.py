@@ -1,0 +1,203 @@
+"""Tasks of the ``rewards`` stage: hindsight-modulated segmental rewards of ``D_st`` with
+``pi_ref`` as the scored policy, the reward share by segment position (the paper's Fig. 4) and
+case tables (the paper's Table 2)."""
+
+from __future__ import annotations
+
+import html
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from prefect import task
+
+from hisr_core import contracts
+from hisr_core.config import Params
+from hisr_core.envs import environment_class
+from hisr_core.hindsight import hindsight_logprobs
+from hisr_core.models import load_model, load_tokenizer
+from hisr_core.prompts import PromptBuilder
+from hisr_core.rewards import POSITIONS, TURN_LEVEL, position_mass, trajectory_rewards
+from hisr_core.scoring import episode_of, turn_logprobs
+from hisr_core.segment import Segment
+from hisr_core.sprm import load_sprm, pearson, turn_rewards
+from hisr_core.training import resolve_dtype
+from tasks.sprm import encode_rows
+
+
+def _sprm_turn_rewards(path: Path, rows: list[dict[str, Any]], builder: PromptBuilder,
+                       params: Params, turn_level: bool) -> list[torch.Tensor]:
+    model, tokenizer = load_sprm(path, resolve_dtype(params.model.dtype))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    trajectories = encode_rows(rows, builder, params.env.name, turn_level)
+    return turn_rewards(model, trajectories, pad, params.rewards.max_batch_tokens)
+
+
+@task(name="score-rewards")
+def score(params: Params, d_st: Path, pi_ref: Path, pi_hind: Path, sprm: Path,
+          out: Path) -> list[dict[str, Any]]:
+    """Score every trajectory of ``D_st`` (log-probs under ``pi_ref`` and ``pi_hind``, the
+    SPRMs' rewards), compute its rewards for every variant and write ``out``."""
+    cfg = params.rewards
+    dtype = resolve_dtype(params.model.dtype)
+    rows = contracts.read_rows(d_st, "segmented")
+    grammar = environment_class(params.env.name).command_grammar
+    builder = PromptBuilder(load_tokenizer(pi_ref), params.model.history, params.model.max_tokens)
+    print(f"scoring {len(rows)} trajectories under pi_ref and pi_hind")
+    policy = turn_logprobs(load_model(pi_ref, dtype=dtype).eval(), builder,
+                           [episode_of(r, grammar) for r in rows], cfg.max_batch_tokens)
+    hind = hindsight_logprobs(load_model(pi_hind, dtype=dtype).eval(), builder, rows, grammar,
+                              params.hindsight.window, cfg.max_batch_tokens)
+    seg_r = _sprm_turn_rewards(sprm / "model", rows, builder, params, False)
+    turn_r: list[torch.Tensor | None] = [None] * len(rows)
+    if TURN_LEVEL & set(cfg.variants):
+        turn_r = list(_sprm_turn_rewards(sprm / "turn_model", rows, builder, params, True))
+    out_rows = []
+    for i, row in enumerate(rows):
+        segments = [Segment.from_row(s) for s in row["segments"]]
+        admissible = [t["admissible"] for t in row["turns"]]
+        res = trajectory_rewards(policy[i], hind[i], seg_r[i], turn_r[i], segments, admissible,
+                                 row["outcome"], cfg.beta, cfg.alpha, cfg.variants)
+        out_rows.append({
+            **{k: row[k] for k in ("task_id", "env", "split", "task_type", "instruction",
+                                   "sample", "n_turns", "won", "outcome", "segmenter")},
+            "segments": [{**s.to_row(), "r_hat": float(res.r_hat[j]),
+                          "importance": float(res.segment_importance[j]),
+                          "r_him": float(res.r_him[j])} for j, s in enumerate(segments)],
+            "turns": [{"action": t["action"], "admissible": t["admissible"],
+                       "log_ratio": float(res.log_ratios[k]),
+                       "importance": float(res.turn_importance[k])}
+                      for k, t in enumerate(row["turns"])],
+            "variants": [{"variant": v, "turn_rewards": res.variants[v].tolist()}
+                         for v in cfg.variants],
+        })
+    contracts.write_rows(out_rows, out, "rewards")
+    return out_rows
+
+
+def reward_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Summary numbers: how the SPRM's sums track R over all of ``D_st``, the hindsight
+    log-ratios by outcome, and the reward shares by segment position."""
+    sums = [sum(s["r_hat"] for s in r["segments"]) for r in rows]
+    ratios = {w: [t["log_ratio"] for r in rows if r["won"] == w for t in r["turns"]]
+              for w in (True, False)}
+    out: dict[str, Any] = {
+        "trajectories": len(rows),
+        "r_hat_sum": {"success": _mean([s for s, r in zip(sums, rows) if r["won"]]),
+                      "failure": _mean([s for s, r in zip(sums, rows) if not r["won"]])},
+        "log_ratio": {"success": _mean(ratios[True]), "failure": _mean(ratios[False])},
+        "position_share": position_shares(rows),
+    }
+    if len(rows) >= 2:
+        out["r_hat_sum"]["pearson_all"] = pearson(sums, [r["outcome"] for r in rows])
+    return out
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def position_shares(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Share of absolute reward in the first / middle / last segment, before (``r_hat``) and
+    after (``r_him``) modulation, over trajectories of >= 3 segments: all, and successful."""
+    out: dict[str, dict[str, float]] = {}
+    for group, sel in (("all", rows), ("success", [r for r in rows if r["won"]])):
+        sel = [r for r in sel if len(r["segments"]) >= 3]
+        for key in ("r_hat", "r_him"):
+            mass = sum((position_mass(torch.tensor([s[key] for s in r["segments"]]))
+                        for r in sel), torch.zeros(3, dtype=torch.float64))
+            total = float(mass.sum())
+            out[f"{group}/{key}"] = {p: float(m) / total if total > 0 else float("nan")
+                                     for p, m in zip(POSITIONS, mass, strict=True)}
+        out[f"{group}/trajectories"] = {"n": len(sel)}
+    return out
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_position_plot(shares: dict[str, dict[str, float]], csv_path: Path,
+                        png_path: Path) -> None:
+    """The share of reward by segment position, before and after modulation: CSV (a DVC plot)
+    and PNG (grouped bars, all trajectories and successful ones)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = ["position,r_hat_all,r_him_all,r_hat_success,r_him_success"]
+    lines += [f"{p},{shares['all/r_hat'][p]:.6f},{shares['all/r_him'][p]:.6f},"
+              f"{shares['success/r_hat'][p]:.6f},{shares['success/r_him'][p]:.6f}"
+              for p in POSITIONS]
+    _atomic_text(csv_path, "\n".join(lines) + "\n")
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), dpi=120, sharey=True)
+    for ax, group in zip(axes, ("all", "success"), strict=True):
+        x = range(len(POSITIONS))
+        for offset, key, color, label in ((-0.2, "r_hat", "tab:gray", "SPRM r_hat"),
+                                          (0.2, "r_him", "tab:blue", "modulated r_him")):
+            ax.bar([v + offset for v in x], [shares[f"{group}/{key}"][p] for p in POSITIONS],
+                   width=0.4, color=color, label=label)
+        n = int(shares[f"{group}/trajectories"]["n"])
+        ax.set_title(f"{group} trajectories (n={n}, >= 3 segments)")
+        ax.set_xticks(list(x), POSITIONS)
+    axes[0].set_ylabel("share of |reward|")
+    axes[0].legend()
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(prefix=f".{png_path.name}.", suffix=".png", dir=png_path.parent)
+    os.close(fd)
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, png_path)
+
+
+def pick_cases(rows: Sequence[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """Up to ``n`` successful and ``n`` failed trajectories with the most segments (ties: the
+    first in ``D_st``), successful first."""
+    def top(sel: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return sorted(sel, key=lambda r: -len(r["segments"]))[:n]
+    return top([r for r in rows if r["won"]]) + top([r for r in rows if not r["won"]])
+
+
+def case_tables(rows: Sequence[dict[str, Any]]) -> tuple[str, str]:
+    """(Markdown, HTML): per trajectory, per segment its turns, actions, sub-goal and
+    ``(r_hat, z, r_him)``."""
+    md = ["# Reward case tables", ""]
+    body = []
+    for r in rows:
+        title = (f"{r['task_id']} sample {r['sample']}: {'success' if r['won'] else 'failure'} "
+                 f"(R = {r['outcome']:.2f}), {r['n_turns']} turns, {r['segmenter']} segments")
+        md += [f"## {title}", "", f"Task: {r['instruction']}", "",
+               "| segment | turns | actions | sub-goal | r_hat | z | r_him |",
+               "|---|---|---|---|---|---|---|"]
+        cells = []
+        for i, s in enumerate(r["segments"]):
+            acts = "; ".join(t["action"] or "(none)"
+                             for t in r["turns"][s["first_turn"]:s["last_turn"] + 1])
+            row = [str(i + 1), f"{s['first_turn'] + 1}-{s['last_turn'] + 1}", acts,
+                   s["subgoal"] or "", f"{s['r_hat']:.3f}", f"{s['importance']:.3f}",
+                   f"{s['r_him']:.3f}"]
+            md.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
+            cells.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
+        md.append("")
+        body.append(f"<h2>{html.escape(title)}</h2><p>Task: {html.escape(r['instruction'])}</p>"
+                    "<table><tr><th>segment</th><th>turns</th><th>actions</th><th>sub-goal</th>"
+                    "<th>r_hat</th><th>z</th><th>r_him</th></tr>" + "".join(cells) + "</table>")
+    page = ("<!doctype html><html><head><meta charset='utf-8'><title>Reward case tables</title>"
+            "<style>body{font-family:sans-serif;max-width:72em;margin:auto}table{border-collapse:"
+            "collapse}td,th{border:1px solid #ccc;padding:2px 6px;font-size:90%}</style></head>"
+            "<body><h1>Reward case tables</h1>" + "".join(body) + "</body></html>\n")
+    return "\n".join(md), page
+
+
+def write_cases(rows: Sequence[dict[str, Any]], n: int, md_path: Path, html_path: Path) -> None:
+    md, page = case_tables(pick_cases(rows, n))
+    _atomic_text(md_path, md)
+    _atomic_text(html_path, page)

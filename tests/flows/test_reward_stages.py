@@ -1,0 +1,108 @@
+"""The ``sprm``, ``hindsight`` and ``rewards`` stages through their command lines, on a small
+household ``D_ct`` and a builtin:tiny ``pi_ref``, against the session's Prefect server and
+MLflow store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hisr_core import contracts
+from hisr_core.models import build_builtin
+from hisr_core.rewards import POSITIONS
+from tests.household_data import rollout_rows
+
+VARIANTS = ["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo"]
+
+
+def _overrides() -> dict:
+    fit = {"backend": "torch", "log_every": 1, "holdout": 0.25}
+    return {"segment": {"segmenter": "rule"},
+            "sprm": {**fit, "max_steps": 3, "micro_batch_size": 3},
+            "hindsight": {**fit, "max_steps": 30, "epochs": 100.0, "micro_batch_size": 8,
+                          "lr": 0.003, "window": 1},
+            "rewards": {"variants": VARIANTS, "cases": 2}}
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory) -> Path:
+    """A data folder with D_ct (12 rollouts, half failed) and a builtin:tiny pi_ref."""
+    data = tmp_path_factory.mktemp("stages") / "data"
+    rows = rollout_rows(12, fail_every=2)
+    contracts.write_rows(rows, data / "collect" / "d_ct.parquet", "rollouts")
+    texts = [t[k] for r in rows for t in r["turns"] for k in ("observation", "response")]
+    build_builtin("builtin:tiny", texts + [r["instruction"] for r in rows], 0,
+                  data / "sft" / "pi_ref")
+    return data
+
+
+def _run(run_module, stage, params, data):
+    proc = run_module(f"flows.{stage}", "--params", str(params), "--data", str(data))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def test_sprm_hindsight_and_rewards_stages(staged, run_module, write_params, mlflow_uri,
+                                           experiment):
+    data = staged
+    params = write_params(_overrides())
+    early = run_module("flows.rewards", "--params", str(params), "--data", str(data))
+    assert early.returncode != 0 and "run the segment stage first" in early.stderr
+    _run(run_module, "segment", params, data)
+    out = _run(run_module, "sprm", params, data)
+    assert "SPRM model: 3 steps" in out and "SPRM turn_model: 3 steps" in out
+    sprm = json.loads((data / "sprm" / "metrics.json").read_text())["sprm"]
+    for name in ("model", "turn_model"):
+        assert sprm[name]["fit"]["steps"] == 3 and sprm[name]["fit"]["trajectories"] == 9
+        assert sprm[name]["heldout"]["trajectories"] == 3
+        assert sprm[name]["heldout"]["mse"] >= 0
+        assert (data / "sprm" / name / "sprm_head.safetensors").is_file()
+    assert (data / "sprm" / "loss.csv").read_text().startswith("step,loss\n1,")
+    assert (data / "sprm" / "loss_turn_model.csv").is_file()
+
+    out = _run(run_module, "hindsight", params, data)
+    hind = json.loads((data / "hindsight" / "metrics.json").read_text())["hindsight"]
+    d_ct = contracts.read_rows(data / "collect" / "d_ct.parquet", "rollouts")
+    assert hind["heldout"]["trajectories"] == 3
+    assert 0 < hind["fit"]["examples"] < sum(r["n_turns"] for r in d_ct)  # one per train turn
+    # The future and the outcome help: pi_hind predicts held-out responses better than
+    # pi_ref does from the prefix.
+    assert hind["heldout"]["nll_hind"] < hind["heldout"]["nll_ref"], hind
+    assert "held-out NLL" in out
+
+    out = _run(run_module, "rewards", params, data)
+    d_st = contracts.read_rows(data / "segment" / "d_st.parquet", "segmented")
+    rewards = contracts.read_rows(data / "rewards" / "rewards.parquet", "rewards")
+    assert [(r["task_id"], r["sample"]) for r in rewards] == \
+        [(r["task_id"], r["sample"]) for r in d_st]
+    for r, s in zip(rewards, d_st, strict=True):
+        assert len(r["segments"]) == len(s["segments"]) and len(r["turns"]) == s["n_turns"]
+        assert sum(seg["importance"] for seg in r["segments"]) == pytest.approx(1.0)
+        assert sum(abs(seg["r_him"]) for seg in r["segments"]) == \
+            pytest.approx(sum(abs(seg["r_hat"]) for seg in r["segments"]))
+        assert [v["variant"] for v in r["variants"]] == VARIANTS
+        assert all(len(v["turn_rewards"]) == s["n_turns"] for v in r["variants"])
+    metrics = json.loads((data / "rewards" / "metrics.json").read_text())["rewards"]
+    assert metrics["trajectories"] == 12
+    share = metrics["position_share"]["all/r_him"]
+    assert sum(share[p] for p in POSITIONS) == pytest.approx(1.0)
+    csv = (data / "rewards" / "position_share.csv").read_text().splitlines()
+    assert csv[0] == "position,r_hat_all,r_him_all,r_hat_success,r_him_success"
+    assert [line.split(",")[0] for line in csv[1:]] == list(POSITIONS)
+    assert (data / "rewards" / "position_share.png").read_bytes()[:4] == b"\x89PNG"
+    cases = (data / "rewards" / "cases.md").read_text()
+    assert cases.count("| segment | turns | actions | sub-goal | r_hat | z | r_him |") == 4
+    assert "<table>" in (data / "rewards" / "cases.html").read_text()
+
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_uri)
+    runs = {r.info.run_name: r for r in
+            mlflow.search_runs(experiment_names=[experiment], output_format="list")}
+    client = mlflow.MlflowClient()
+    assert len(client.get_metric_history(runs["sprm"].info.run_id, "losses/sprm")) == 3
+    assert len(client.get_metric_history(runs["sprm"].info.run_id, "losses/sprm_turn")) == 3
+    assert client.get_metric_history(runs["hindsight"].info.run_id, "losses/hindsight")
+    assert "rewards/trajectories" in runs["rewards"].data.metrics

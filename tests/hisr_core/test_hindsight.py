@@ -1,0 +1,130 @@
+"""Hindsight examples (the masked response, the window, the outcome query) and their batched
+scoring against a one-example-at-a-time reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hisr_core.config import HindsightParams
+from hisr_core.envs import environment_class
+from hisr_core.hindsight import MASK, hindsight_example, hindsight_logprobs, trajectory_examples
+from hisr_core.models import build_builtin, load_model, load_tokenizer
+from hisr_core.prompts import PromptBuilder
+from hisr_core.scoring import episode_of, masked_logprobs, turn_logprobs
+from hisr_core.sft import train_sft
+from tests.household_data import rollout_rows
+
+GRAMMAR = environment_class("household").command_grammar
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return rollout_rows(6)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(rows, tmp_path_factory):
+    texts = [t[k] for r in rows for t in r["turns"] for k in ("observation", "response")]
+    return build_builtin("builtin:tiny", texts + [MASK], 0, tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir):
+    return load_tokenizer(tiny_dir)
+
+
+def _masked_text(tokenizer, enc) -> str:
+    return tokenizer.decode([t for t, m in zip(enc.input_ids, enc.response_mask, strict=True)
+                             if m])
+
+
+def test_the_example_masks_a_k_and_trains_only_on_it(rows, tokenizer):
+    builder = PromptBuilder(tokenizer, None, 4096)
+    row = rows[1]
+    system, turns = episode_of(row, GRAMMAR)
+    k = 2
+    enc = hindsight_example(builder, system, turns, k, row["outcome"], row["won"],
+                            row["final_observation"], window=None)
+    text = tokenizer.decode(enc.input_ids)
+    assert _masked_text(tokenizer, enc).startswith(turns[k][1])
+    assert text.count(MASK) == 1
+    context = text[:text.index("Outcome:")]
+    # Every other response and every observation stays in context, in order; a_k does not.
+    for j, (obs, resp) in enumerate(turns):
+        assert obs in context
+        assert (resp in context) == (j != k) or turns.count(turns[k]) > 1
+    assert context.index(MASK) > context.index(turns[k][0])
+    assert "Outcome: success (R = 1.00)" in text and row["final_observation"] in text
+    # The masked tokens are a_k and its end-of-turn marker, nothing else.
+    target = builder._ids(turns[k][1]) + builder._asst_end
+    assert [t for t, m in zip(enc.input_ids, enc.response_mask, strict=True) if m] == target
+
+
+def _context_turns(tokenizer, enc, turns) -> list[int]:
+    """Turns whose (unique) response is in the example's context."""
+    text = tokenizer.decode(enc.input_ids)
+    context = text[:text.index("Outcome:")]
+    return [j for j, (_, resp) in enumerate(turns) if resp in context]
+
+
+def test_window_and_truncation_drop_the_farthest_turns(rows, tokenizer):
+    row = max(rows, key=lambda r: r["n_turns"])
+    system, turns = episode_of(row, GRAMMAR)
+    assert len({resp for _, resp in turns}) == len(turns)
+    m, k = len(turns), 3
+
+    def example(max_tokens, window=None):
+        return hindsight_example(PromptBuilder(tokenizer, None, max_tokens), system, turns, k,
+                                 row["outcome"], row["won"], row["final_observation"], window)
+
+    assert _context_turns(tokenizer, example(4096, window=1), turns) == [k - 1, k + 1]
+    full = example(4096)
+    assert _context_turns(tokenizer, full, turns) == [j for j in range(m) if j != k]
+    cut = example(len(full.input_ids) - 1)
+    assert len(cut.input_ids) < len(full.input_ids)
+    # The farthest turn from k (the last one) goes first.
+    assert _context_turns(tokenizer, cut, turns) == [j for j in range(m - 1) if j != k]
+    with pytest.raises(ValueError, match="alone needs"):
+        example(60)
+
+
+@pytest.mark.parametrize("window", [None, 1])
+def test_batched_hindsight_scores_equal_one_at_a_time(rows, tiny_dir, tokenizer, window):
+    model = load_model(tiny_dir).eval()
+    builder = PromptBuilder(tokenizer, None, 4096)
+    batched = hindsight_logprobs(model, builder, rows, GRAMMAR, window, max_batch_tokens=900)
+    policy = turn_logprobs(model, builder, [episode_of(r, GRAMMAR) for r in rows])
+    for row, got, pol in zip(rows, batched, policy, strict=True):
+        assert [len(x) for x in got] == [len(x) for x in pol]
+        for k, enc in enumerate(trajectory_examples(builder, row, GRAMMAR, window)):
+            with torch.inference_mode():
+                logits = model(torch.tensor([enc.input_ids])).logits[0].float()
+            logp = torch.log_softmax(logits[:-1], -1).gather(
+                -1, torch.tensor(enc.input_ids[1:])[:, None]).squeeze(-1)
+            want = logp[torch.tensor(enc.response_mask[1:], dtype=torch.bool)]
+            assert torch.allclose(got[k], want, atol=1e-5, rtol=0)
+
+
+def test_masked_logprobs_rejects_a_target_without_context(tokenizer, tiny_dir):
+    builder = PromptBuilder(tokenizer, None, 4096)
+    enc = builder.encode("sys", [("obs", "resp")])
+    bad = type(enc)(enc.input_ids, [1] * len(enc.input_ids), enc.turn_ids, enc.turns)
+    with pytest.raises(ValueError, match="position 0"):
+        masked_logprobs(load_model(tiny_dir), [bad], 0)
+
+
+def test_hindsight_training_smoke(rows, tiny_dir, tokenizer):
+    builder = PromptBuilder(tokenizer, None, 4096)
+    examples = [e for r in rows for e in trajectory_examples(builder, r, GRAMMAR, 2)]
+    assert len(examples) == sum(r["n_turns"] for r in rows)
+    logs = []
+    params = HindsightParams(backend="torch", max_steps=2, log_every=1, micro_batch_size=4)
+    model = load_model(tiny_dir)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train_sft(model, tokenizer, examples, params, "float32", lambda s, m: logs.append(m),
+              progress=False, name="hindsight")
+    assert [math.isfinite(m["losses/hindsight"]) for m in logs] == [True, True]
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
