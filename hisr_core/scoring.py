@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hisr_core.prompts import Encoded, PromptBuilder, system_text
+from hisr_core.training import lm_parts
 
 Episode = tuple[str, list[tuple[str, str]]]
 
@@ -27,37 +28,68 @@ def episode_of(row: Mapping[str, Any], grammar: Sequence[str]) -> Episode:
             [(t["observation"], t["response"]) for t in row["turns"]])
 
 
+def length_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
+    """Indices of sequences, longest first, cut into batches whose padded size (rows × the
+    longest row) stays within ``max_batch_tokens`` (a longer sequence gets a batch alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, start = [], 0
+    while start < len(order):
+        rows = max(1, max_batch_tokens // max(lengths[order[start]], 1))
+        batches.append(order[start:start + rows])
+        start += rows
+    return batches
+
+
+def right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask, right-padded to the longest. Shape: [B, max_b T_b] each.
+
+    Right padding keeps every real token at the position it has in a pass of its own."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for j, s in enumerate(seqs):
+        ids[j, :len(s)] = torch.tensor(list(s), dtype=torch.long)
+        mask[j, :len(s)] = 1
+    return ids, mask
+
+
 @torch.inference_mode()
 def token_logprobs(model: PreTrainedModel, seqs: Sequence[Sequence[int]], pad_id: int,
-                   max_batch_tokens: int = 8192) -> list[torch.Tensor]:
-    """Per sequence, ``log p(x_t | x_<t)`` for t = 1..T-1.
+                   max_batch_tokens: int = 8192,
+                   score: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
+    """Per sequence, ``log p(x_t | x_<t)`` for t = 1..T-1, or only where ``score[i][t]`` is
+    set (then only those positions go through the LM head and the softmax).
 
-    Shape: sequence i of length T_i → (T_i - 1,) float32 on CPU. Batches hold at most
-    ``max_batch_tokens`` padded tokens (rows × longest row); the logits of a batch take
-    ``max_batch_tokens × vocab`` floats, so lower it for large vocabularies.
+    Shape: sequence i of length T_i → (T_i - 1,) float32 on CPU, or (M_i,) with M_i the set
+    positions t >= 1 of ``score[i]``. Batches hold at most ``max_batch_tokens`` padded tokens
+    (rows × longest row).
     """
     if any(len(s) < 1 for s in seqs):
         raise ValueError("every sequence needs at least one token")
+    if score is not None and [len(x) for x in score] != [len(s) for s in seqs]:
+        raise ValueError("score masks must have the lengths of their sequences")
     device = next(model.parameters()).device
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    parts = lm_parts(model)
     out: list[torch.Tensor | None] = [None] * len(seqs)
-    start = 0
-    while start < len(order):
-        width = len(seqs[order[start]])  # the longest of the batch: rows come longest first
-        rows = max(1, max_batch_tokens // max(width, 1))
-        batch = order[start:start + rows]
-        start += len(batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for batch in length_batches([len(s) for s in seqs], max_batch_tokens):
+        ids, mask = right_pad([seqs[i] for i in batch], pad_id)
+        keep = torch.zeros((len(batch), ids.shape[1] - 1), dtype=torch.bool)
         for j, i in enumerate(batch):
-            ids[j, :len(seqs[i])] = torch.tensor(list(seqs[i]), dtype=torch.long)
-            mask[j, :len(seqs[i])] = 1
-        # Right padding: real tokens keep positions 0..T_i-1, as in a pass of their own.
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
-        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(
-            -1, ids[:, 1:, None].to(device)).squeeze(-1).cpu()
-        for j, i in enumerate(batch):
-            out[i] = logp[j, :len(seqs[i]) - 1].clone()
+            keep[j, :len(seqs[i]) - 1] = (torch.tensor(list(score[i][1:]), dtype=torch.bool)
+                                          if score is not None else True)
+        ids, mask, keep = ids.to(device), mask.to(device), keep.to(device)
+        if parts is None:
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1][keep].float()
+        else:
+            backbone, head = parts
+            hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+            logits = head(hidden[:, :-1][keep]).float()
+        targets = ids[:, 1:][keep]
+        logp = (logits.gather(-1, targets[:, None]).squeeze(-1)
+                - torch.logsumexp(logits, dim=-1)).cpu()
+        counts = keep.sum(dim=1).tolist()
+        for i, piece in zip(batch, torch.split(logp, counts), strict=True):
+            out[i] = piece.clone()
     return [x for x in out if x is not None]
 
 
@@ -67,9 +99,8 @@ def masked_logprobs(model: PreTrainedModel, encoded: Sequence[Encoded], pad_id: 
     them. Shape: sequence with M masked tokens (none at position 0) → (M,) float32."""
     if any(enc.response_mask and enc.response_mask[0] for enc in encoded):
         raise ValueError("a masked token at position 0 has no context to be scored from")
-    scores = token_logprobs(model, [enc.input_ids for enc in encoded], pad_id, max_batch_tokens)
-    return [logp[torch.tensor(enc.response_mask[1:], dtype=torch.bool)]
-            for enc, logp in zip(encoded, scores, strict=True)]
+    return token_logprobs(model, [enc.input_ids for enc in encoded], pad_id, max_batch_tokens,
+                          score=[enc.response_mask for enc in encoded])
 
 
 def scoring_sequences(builder: PromptBuilder, system: str,
@@ -104,12 +135,12 @@ def turn_logprobs(model: PreTrainedModel, builder: PromptBuilder,
     encoded = [(e, enc) for e, (system, turns) in enumerate(episodes)
                for enc in scoring_sequences(builder, system, turns)]
     pad = builder.tokenizer.pad_token_id if builder.tokenizer.pad_token_id is not None else 0
-    scores = token_logprobs(model, [enc.input_ids for _, enc in encoded], pad, max_batch_tokens)
+    scores = masked_logprobs(model, [enc for _, enc in encoded], pad, max_batch_tokens)
     per_turn: list[list[list[float]]] = [[[] for _ in turns] for _, turns in episodes]
     for (e, enc), logp in zip(encoded, scores, strict=True):
-        for t in range(1, len(enc.input_ids)):
-            if enc.response_mask[t]:
-                per_turn[e][enc.turn_ids[t]].append(float(logp[t - 1]))
+        owners = [k for k, on in zip(enc.turn_ids, enc.response_mask, strict=True) if on]
+        for k, value in zip(owners, logp.tolist(), strict=True):
+            per_turn[e][k].append(value)
     return [[torch.tensor(x, dtype=torch.float32) for x in ep] for ep in per_turn]
 
 

@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 from hisr_core.config import FitParams, LoraParams
 from hisr_core.fit import LogFn, fit, setup
 from hisr_core.prompts import Encoded, PromptBuilder, system_text
+from hisr_core.scoring import right_pad
 from hisr_core.training import lm_parts
 
 IGNORE = -100
@@ -87,17 +88,12 @@ def collate(sequences: Sequence[Encoded], pad_id: int) -> Batch:
 
     Shape: B sequences of lengths T_b → tensors [B, max_b T_b].
     """
-    width = max(len(s.input_ids) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(sequences), width), dtype=torch.long)
-    labels = torch.full((len(sequences), width), IGNORE, dtype=torch.long)
+    ids, attn = right_pad([s.input_ids for s in sequences], pad_id)
+    labels = torch.full_like(ids, IGNORE)
     for b, seq in enumerate(sequences):
         n = len(seq.input_ids)
-        row = torch.tensor(seq.input_ids, dtype=torch.long)
         mask = torch.tensor(seq.response_mask, dtype=torch.bool)
-        ids[b, :n] = row
-        attn[b, :n] = 1
-        labels[b, :n] = torch.where(mask, row, torch.full_like(row, IGNORE))
+        labels[b, :n] = torch.where(mask, ids[b, :n], torch.full_like(ids[b, :n], IGNORE))
     return Batch(ids, attn, labels)
 
 

@@ -30,7 +30,7 @@ from hisr_core.config import SprmParams
 from hisr_core.fit import LogFn, fit, setup
 from hisr_core.models import load_model, load_tokenizer
 from hisr_core.prompts import PromptBuilder
-from hisr_core.scoring import scoring_sequences
+from hisr_core.scoring import length_batches, right_pad, scoring_sequences
 from hisr_core.segment import Segment
 from hisr_core.training import barrier, plain_state, replace_folder, unwrap_hf
 
@@ -139,9 +139,7 @@ class SprmBatch:
 def collate(trajectories: Sequence[Trajectory], pad_id: int) -> SprmBatch:
     """Right-pad every sequence of ``trajectories``; index the segment ends."""
     seqs = [s for t in trajectories for s in t.sequences]
-    ids = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.long)
-    for r, s in enumerate(seqs):
-        ids[r, :len(s)] = torch.tensor(s, dtype=torch.long)
+    ids, _ = right_pad(seqs, pad_id)
     rows, cols, owner, base = [], [], [], 0
     for b, t in enumerate(trajectories):
         for k in t.seg_ends:
@@ -187,26 +185,18 @@ def turn_rewards(model: SegmentRewardModel, trajectories: Sequence[Trajectory], 
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    flat = [(t, s) for t, traj in enumerate(trajectories) for s in range(len(traj.sequences))]
-    order = sorted(range(len(flat)), key=lambda i: -len(trajectories[flat[i][0]].sequences[flat[i][1]]))
+    # Every scoring sequence of every trajectory, with the turns that end in it.
+    flat = [(traj.sequences[s], [(t, k, pos) for k, (sk, pos) in enumerate(traj.turn_ends)
+                                 if sk == s])
+            for t, traj in enumerate(trajectories) for s in range(len(traj.sequences))]
     out = [torch.zeros(len(t.turn_ends)) for t in trajectories]
-    start = 0
-    while start < len(order):
-        t0, s0 = flat[order[start]]
-        rows_per = max(1, max_batch_tokens // len(trajectories[t0].sequences[s0]))
-        batch = order[start:start + rows_per]
-        start += len(batch)
-        seqs = [trajectories[flat[i][0]].sequences[flat[i][1]] for i in batch]
-        ids = torch.full((len(seqs), len(seqs[0])), pad_id, dtype=torch.long)
-        for r, s in enumerate(seqs):
-            ids[r, :len(s)] = torch.tensor(s, dtype=torch.long)
-        where = [(r, k, flat[i][0]) for r, i in enumerate(batch)
-                 for k, (s, _) in enumerate(trajectories[flat[i][0]].turn_ends) if s == flat[i][1]]
-        rows = torch.tensor([r for r, _, _ in where], dtype=torch.long)
-        cols = torch.tensor([trajectories[t].turn_ends[k][1] for _, k, t in where],
-                            dtype=torch.long)
-        r = model.rewards_at(ids.to(device), rows.to(device), cols.to(device)).cpu()
-        for (_, k, t), value in zip(where, r.tolist(), strict=True):
+    for batch in length_batches([len(seq) for seq, _ in flat], max_batch_tokens):
+        ids, _ = right_pad([flat[i][0] for i in batch], pad_id)
+        where = [(r, t, k, pos) for r, i in enumerate(batch) for t, k, pos in flat[i][1]]
+        rows = torch.tensor([w[0] for w in where], dtype=torch.long, device=device)
+        cols = torch.tensor([w[3] for w in where], dtype=torch.long, device=device)
+        values = model.rewards_at(ids.to(device), rows, cols).cpu().tolist()
+        for (_, t, k, _), value in zip(where, values, strict=True):
             out[t][k] = value
     model.train(was_training)
     return out

@@ -62,3 +62,15 @@ def test_token_logprobs_shapes_and_order(tokenizer):
                           .squeeze(-1), atol=1e-5)
     with pytest.raises(ValueError):
         token_logprobs(model, [[]], pad_id=0)
+
+
+def test_scoring_only_masked_positions_gives_the_same_values(tokenizer):
+    model = peaky_model(tokenizer, seed=2)
+    seqs = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    score = [[0, 1, 0, 1], [0, 0], [1, 1, 1]]  # a set position 0 has no context: ignored
+    full = token_logprobs(model, seqs, pad_id=0, max_batch_tokens=8)
+    some = token_logprobs(model, seqs, pad_id=0, max_batch_tokens=8, score=score)
+    for f, s, m in zip(full, some, score, strict=True):
+        assert torch.allclose(s, f[torch.tensor(m[1:], dtype=torch.bool)], atol=1e-6)
+    with pytest.raises(ValueError, match="lengths"):
+        token_logprobs(model, seqs, pad_id=0, score=[[1], [1], [1]])
