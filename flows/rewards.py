@@ -35,7 +35,8 @@ def rewards_flow(params_path: Path = Path("params.yaml"), data: Path = Path("dat
     sprm = require(data / "sprm" / "model", "sprm").parent
     out = data / "rewards"
     sections = {"env": {"name": params.env.name}, "model": params.model.model_dump(),
-                "hindsight": {"window": params.hindsight.window},
+                "hindsight": {"past": params.hindsight.past,
+                              "future": params.hindsight.future},
                 "rewards": params.rewards.model_dump()}
     with stage_run(params, "rewards", sections):
         rows = score(params, d_st, pi_ref, pi_hind, sprm, out / "rewards.parquet")

@@ -176,12 +176,15 @@ class HindsightParams(FitParams):
     """The ``hindsight`` stage: ``pi_hind`` recovers a masked response from the whole trajectory
     and its outcome (METHOD.md stage 5); one example per turn of ``D_ct``."""
 
-    epochs: float = Field(1.0, gt=0)
+    epochs: float = Field(0.5, gt=0)
     lr: float = Field(1e-3, gt=0, le=1.0)
 
-    window: int | None = Field(2, ge=0)
-    """Turns kept on each side of the masked one (``null``: all that fit ``model.max_tokens``;
-    turns farthest from it are dropped first)."""
+    past: int | None = Field(None, ge=0)
+    """Turns kept before the masked one (``null``: all, as the policy's context has them);
+    while an example is over ``model.max_tokens`` the turn farthest from it is dropped."""
+
+    future: int | None = Field(2, ge=0)
+    """Turns kept after the masked one (``null``: all that fit)."""
 
     holdout: float = Field(0.2, ge=0.0, lt=1.0)
     """Share of tasks held out to compare ``pi_hind``'s NLL with ``pi_ref``'s."""

@@ -1,20 +1,28 @@
 """Stage 5: the hindsight model's examples (METHOD.md, stage 5).
 
-``pi_hind`` sees the task, the trajectory with response ``a_k`` replaced by a placeholder
-(past *and* future turns), and the outcome; it must write ``a_k``. One example per turn. The
-example is an ordinary chat episode, so the policy's prompt builder encodes it (chat template or
-plain template alike) and the SFT loss trains it:
+``pi_hind`` sees the task, the whole trajectory except response ``a_k`` (past *and* future
+turns) and the outcome, and must write ``a_k``. One example per turn. **Decision:** the
+hindsight information (the turns after k, the outcome and the final observation) goes into a
+block after the task's system text, and the trajectory follows as the policy saw it, so the
+masked response stands exactly where the policy wrote it: the empty assistant turn after
+``o_k`` is the placeholder. ``pi_hind`` starts from ``pi_ref``, which already writes responses
+in that place, and only has to learn to use the block (a layout with a placeholder mid-sequence
+and the target at the end asks a small model to learn a new task first). The example is an
+ordinary chat episode, so the policy's prompt builder encodes it and the SFT loss trains it:
 
-    system:    the task's system text (as the policy sees it)
-    turns:     o_f, a_f, ..., o_k, MASK, ..., o_l, a_l      (a window f..l around k)
-    user:      Outcome: success|failure (R = 0.00). Final observation: ...  + the request
-    assistant: a_k                                            (the only tokens with loss)
+    system:    the task's system text
+               + "Hindsight ... Later turns: [Observation] o_k+1 [Response] a_k+1 ...
+                  Outcome: success (R = 1.00). Final observation: ..."
+    turns:     o_f, a_f, ..., o_k-1, a_k-1                  (the past, as the policy saw it)
+    user:      o_k
+    assistant: a_k                                           (the only tokens with loss)
 
 Scoring reads ``log pi_hind(a_k^j | hindsight context)`` off the same sequence.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,37 +32,49 @@ from transformers import PreTrainedModel
 from hisr_core.prompts import Encoded, PromptBuilder
 from hisr_core.scoring import episode_of, masked_logprobs
 
-#: Stands where the masked response was.
-MASK = "[masked response]"
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """Turns kept around the masked turn k: ``past`` before it and ``future`` after it
+    (``None``: all, as far as ``max_tokens`` allows)."""
+
+    past: int | None = None
+    future: int | None = None
+
+    def bounds(self, k: int, m: int) -> tuple[int, int]:
+        """First and last turn kept (inclusive) for turn k of m."""
+        return (0 if self.past is None else max(0, k - self.past),
+                m - 1 if self.future is None else min(m - 1, k + self.future))
 
 
-def query(outcome: float, won: bool, final_observation: str) -> str:
-    """The last user message: the outcome and the request to recover the masked response."""
-    return (f"Outcome: {'success' if won else 'failure'} (R = {outcome:.2f}). "
-            f"Final observation: {final_observation}\nWrite the masked response.")
-
-
-def _window(k: int, m: int, window: int | None) -> tuple[int, int]:
-    if window is None:
-        return 0, m - 1
-    return max(0, k - window), min(m - 1, k + window)
+def hindsight_block(later: Sequence[tuple[str, str]], outcome: float, won: bool,
+                    final_observation: str) -> str:
+    """The text appended to the system message: the turns after k, the outcome and the final
+    observation."""
+    lines = ["Hindsight: how this episode went after the turn you are writing."]
+    if later:
+        lines.append("Later turns:")
+        for obs, resp in later:
+            lines += [f"[Observation] {obs}", f"[Response] {resp}"]
+    lines.append(f"Outcome: {'success' if won else 'failure'} (R = {outcome:.2f}). "
+                 f"Final observation: {final_observation}")
+    return "\n".join(lines)
 
 
 def hindsight_example(builder: PromptBuilder, system: str, turns: Sequence[tuple[str, str]], k: int,
                       outcome: float, won: bool, final_observation: str,
-                      window: int | None = None) -> Encoded:
-    """The example for turn ``k``: turns ``k-window..k+window`` (all if ``None``) with ``a_k``
-    masked, then the outcome query and ``a_k`` (masked in). While the sequence is over
-    ``builder.max_tokens`` the turn farthest from ``k`` is dropped (the later one on a tie)."""
+                      window: Window = Window()) -> Encoded:
+    """The example for turn ``k``: the system text with the hindsight block (the turns
+    ``window`` keeps after k), the turns it keeps before k, ``o_k``, and ``a_k`` (masked in).
+    While the sequence is over ``builder.max_tokens`` the kept turn farthest from ``k`` is
+    dropped (the later one on a tie)."""
     m = len(turns)
     if not 0 <= k < m:
         raise ValueError(f"turn {k} is outside a trajectory of {m} turns")
-    first, last = _window(k, m, window)
-    ask = query(outcome, won, final_observation)
+    first, last = window.bounds(k, m)
     while True:
-        ctx = [(obs, MASK if j == k else resp) for j, (obs, resp) in
-               enumerate(turns[first:last + 1], start=first)]
-        enc = builder.encode(system, [*ctx, (ask, turns[k][1])], train_from=len(ctx))
+        block = hindsight_block(turns[k + 1:last + 1], outcome, won, final_observation)
+        enc = builder.encode(f"{system}\n\n{block}", turns[:k + 1], first, train_from=k)
         if len(enc.input_ids) <= builder.max_tokens:
             return enc
         if first == last == k:
@@ -67,7 +87,7 @@ def hindsight_example(builder: PromptBuilder, system: str, turns: Sequence[tuple
 
 
 def trajectory_examples(builder: PromptBuilder, row: Mapping[str, Any], grammar: Sequence[str],
-                        window: int | None = None) -> list[Encoded]:
+                        window: Window = Window()) -> list[Encoded]:
     """One example per turn of a ``D_ct`` / ``D_st`` row, in turn order."""
     system, turns = episode_of(row, grammar)
     return [hindsight_example(builder, system, turns, k, float(row["outcome"]), bool(row["won"]),
@@ -76,13 +96,13 @@ def trajectory_examples(builder: PromptBuilder, row: Mapping[str, Any], grammar:
 
 def hindsight_logprobs(model: PreTrainedModel, builder: PromptBuilder,
                        rows: Sequence[Mapping[str, Any]], grammar: Sequence[str],
-                       window: int | None = None, max_batch_tokens: int = 8192
-                       ) -> list[list[torch.Tensor]]:
+                       window: Window = Window(), max_batch_tokens: int = 8192,
+                       progress: str | None = None) -> list[list[torch.Tensor]]:
     """Per row, per turn k, ``log pi_hind(a_k^j | hindsight context)`` of response k's tokens
     (end-of-turn marker included, as :func:`hisr_core.scoring.turn_logprobs` scores them).
     Shape: row → m tensors of shape (L_k,)."""
     examples = [trajectory_examples(builder, row, grammar, window) for row in rows]
     flat = [e for ex in examples for e in ex]
     pad = builder.tokenizer.pad_token_id if builder.tokenizer.pad_token_id is not None else 0
-    scores = iter(masked_logprobs(model, flat, pad, max_batch_tokens))
+    scores = iter(masked_logprobs(model, flat, pad, max_batch_tokens, progress))
     return [[next(scores) for _ in ex] for ex in examples]

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from hisr_core.prompts import Encoded, PromptBuilder, system_text
@@ -56,9 +57,11 @@ def right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
 @torch.inference_mode()
 def token_logprobs(model: PreTrainedModel, seqs: Sequence[Sequence[int]], pad_id: int,
                    max_batch_tokens: int = 8192,
-                   score: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
+                   score: Sequence[Sequence[int]] | None = None,
+                   progress: str | None = None) -> list[torch.Tensor]:
     """Per sequence, ``log p(x_t | x_<t)`` for t = 1..T-1, or only where ``score[i][t]`` is
-    set (then only those positions go through the LM head and the softmax).
+    set (then only those positions go through the LM head and the softmax). ``progress``:
+    the label of a progress bar over the sequences (none if ``None``).
 
     Shape: sequence i of length T_i → (T_i - 1,) float32 on CPU, or (M_i,) with M_i the set
     positions t >= 1 of ``score[i]``. Batches hold at most ``max_batch_tokens`` padded tokens
@@ -71,18 +74,22 @@ def token_logprobs(model: PreTrainedModel, seqs: Sequence[Sequence[int]], pad_id
     device = next(model.parameters()).device
     parts = lm_parts(model)
     out: list[torch.Tensor | None] = [None] * len(seqs)
+    bar = tqdm(total=len(seqs), desc=progress, unit="seq", disable=progress is None,
+               mininterval=2)
     for batch in length_batches([len(s) for s in seqs], max_batch_tokens):
-        ids, mask = right_pad([seqs[i] for i in batch], pad_id)
+        ids, _ = right_pad([seqs[i] for i in batch], pad_id)
         keep = torch.zeros((len(batch), ids.shape[1] - 1), dtype=torch.bool)
         for j, i in enumerate(batch):
             keep[j, :len(seqs[i]) - 1] = (torch.tensor(list(score[i][1:]), dtype=torch.bool)
                                           if score is not None else True)
-        ids, mask, keep = ids.to(device), mask.to(device), keep.to(device)
+        ids, keep = ids.to(device), keep.to(device)
+        # No attention mask: with right padding and causal attention a real token never sees a
+        # pad, so attention keeps its fast causal path (an explicit mask is materialised).
         if parts is None:
-            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1][keep].float()
+            logits = model(input_ids=ids, use_cache=False).logits[:, :-1][keep].float()
         else:
             backbone, head = parts
-            hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+            hidden = backbone(input_ids=ids, use_cache=False).last_hidden_state
             logits = head(hidden[:, :-1][keep]).float()
         targets = ids[:, 1:][keep]
         logp = (logits.gather(-1, targets[:, None]).squeeze(-1)
@@ -90,17 +97,20 @@ def token_logprobs(model: PreTrainedModel, seqs: Sequence[Sequence[int]], pad_id
         counts = keep.sum(dim=1).tolist()
         for i, piece in zip(batch, torch.split(logp, counts), strict=True):
             out[i] = piece.clone()
+        bar.update(len(batch))
+    bar.close()
     return [x for x in out if x is not None]
 
 
 def masked_logprobs(model: PreTrainedModel, encoded: Sequence[Encoded], pad_id: int,
-                    max_batch_tokens: int = 8192) -> list[torch.Tensor]:
+                    max_batch_tokens: int = 8192, progress: str | None = None
+                    ) -> list[torch.Tensor]:
     """Per sequence, the log-probs of its masked-in tokens (in order) given everything before
     them. Shape: sequence with M masked tokens (none at position 0) → (M,) float32."""
     if any(enc.response_mask and enc.response_mask[0] for enc in encoded):
         raise ValueError("a masked token at position 0 has no context to be scored from")
     return token_logprobs(model, [enc.input_ids for enc in encoded], pad_id, max_batch_tokens,
-                          score=[enc.response_mask for enc in encoded])
+                          score=[enc.response_mask for enc in encoded], progress=progress)
 
 
 def scoring_sequences(builder: PromptBuilder, system: str,
@@ -128,14 +138,16 @@ def scoring_sequences(builder: PromptBuilder, system: str,
 
 def turn_logprobs(model: PreTrainedModel, builder: PromptBuilder,
                   episodes: Sequence[tuple[str, Sequence[tuple[str, str]]]],
-                  max_batch_tokens: int = 8192) -> list[list[torch.Tensor]]:
+                  max_batch_tokens: int = 8192, progress: str | None = None
+                  ) -> list[list[torch.Tensor]]:
     """Per episode (system text, (observation, response) turns), per turn k, the log-probs of
     response k's tokens (its end-of-turn marker included) given the context the policy had
     when it generated them. Shape: episode → m tensors of shape (L_k,)."""
     encoded = [(e, enc) for e, (system, turns) in enumerate(episodes)
                for enc in scoring_sequences(builder, system, turns)]
     pad = builder.tokenizer.pad_token_id if builder.tokenizer.pad_token_id is not None else 0
-    scores = masked_logprobs(model, [enc for _, enc in encoded], pad, max_batch_tokens)
+    scores = masked_logprobs(model, [enc for _, enc in encoded], pad, max_batch_tokens,
+                             progress)
     per_turn: list[list[list[float]]] = [[[] for _ in turns] for _, turns in episodes]
     for (e, enc), logp in zip(encoded, scores, strict=True):
         owners = [k for k, on in zip(enc.turn_ids, enc.response_mask, strict=True) if on]

@@ -12,7 +12,7 @@ from hisr_core import contracts
 from hisr_core.config import Params
 from hisr_core.envs import environment_class
 from hisr_core.fit import split_by_task
-from hisr_core.hindsight import hindsight_logprobs, trajectory_examples
+from hisr_core.hindsight import Window, hindsight_logprobs, trajectory_examples
 from hisr_core.models import load_model, load_tokenizer
 from hisr_core.prompts import PromptBuilder
 from hisr_core.scoring import episode_of, turn_logprobs
@@ -39,9 +39,10 @@ def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_
     builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
     grammar = environment_class(params.env.name).command_grammar
     rows = contracts.read_rows(d_ct, "rollouts")
+    window = Window(cfg.past, cfg.future)
     train_idx, held_idx = split_by_task([r["task_id"] for r in rows], cfg.holdout, cfg.seed)
     examples = [e for i in train_idx
-                for e in trajectory_examples(builder, rows[i], grammar, cfg.window)]
+                for e in trajectory_examples(builder, rows[i], grammar, window)]
     if not examples:
         raise ValueError(f"{d_ct} has no training trajectories")
     curve = LossCurve("hindsight", run_id)
@@ -53,9 +54,9 @@ def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_
     if held_idx:
         held = [rows[i] for i in held_idx]
         hind = hindsight_logprobs(load_model(out_dir, dtype=dtype).eval(), builder, held,
-                                  grammar, cfg.window)
+                                  grammar, window, progress="held-out pi_hind")
         ref = turn_logprobs(load_model(pi_ref, dtype=dtype).eval(), builder,
-                            [episode_of(r, grammar) for r in held])
+                            [episode_of(r, grammar) for r in held], progress="held-out pi_ref")
         report["heldout"] = {"nll_hind": _nll(hind), "nll_ref": _nll(ref),
                              "trajectories": len(held),
                              "tokens": sum(len(x) for ep in hind for x in ep)}

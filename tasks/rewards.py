@@ -17,7 +17,7 @@ from prefect import task
 from hisr_core import contracts
 from hisr_core.config import Params
 from hisr_core.envs import environment_class
-from hisr_core.hindsight import hindsight_logprobs
+from hisr_core.hindsight import Window, hindsight_logprobs
 from hisr_core.models import load_model, load_tokenizer
 from hisr_core.prompts import PromptBuilder
 from hisr_core.rewards import POSITIONS, TURN_LEVEL, position_mass, trajectory_rewards
@@ -46,11 +46,13 @@ def score(params: Params, d_st: Path, pi_ref: Path, pi_hind: Path, sprm: Path,
     rows = contracts.read_rows(d_st, "segmented")
     grammar = environment_class(params.env.name).command_grammar
     builder = PromptBuilder(load_tokenizer(pi_ref), params.model.history, params.model.max_tokens)
-    print(f"scoring {len(rows)} trajectories under pi_ref and pi_hind")
     policy = turn_logprobs(load_model(pi_ref, dtype=dtype).eval(), builder,
-                           [episode_of(r, grammar) for r in rows], cfg.max_batch_tokens)
+                           [episode_of(r, grammar) for r in rows], cfg.max_batch_tokens,
+                           progress="score pi_ref")
     hind = hindsight_logprobs(load_model(pi_hind, dtype=dtype).eval(), builder, rows, grammar,
-                              params.hindsight.window, cfg.max_batch_tokens)
+                              Window(params.hindsight.past, params.hindsight.future),
+                              cfg.max_batch_tokens,
+                              progress="score pi_hind")
     seg_r = _sprm_turn_rewards(sprm / "model", rows, builder, params, False)
     turn_r: list[torch.Tensor | None] = [None] * len(rows)
     if TURN_LEVEL & set(cfg.variants):

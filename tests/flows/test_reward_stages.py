@@ -22,7 +22,7 @@ def _overrides() -> dict:
     return {"segment": {"segmenter": "rule"},
             "sprm": {**fit, "max_steps": 3, "micro_batch_size": 3},
             "hindsight": {**fit, "max_steps": 30, "epochs": 100.0, "micro_batch_size": 8,
-                          "lr": 0.003, "window": 1},
+                          "lr": 0.003, "future": 1},
             "rewards": {"variants": VARIANTS, "cases": 2}}
 
 

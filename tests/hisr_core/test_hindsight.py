@@ -1,4 +1,4 @@
-"""Hindsight examples (the masked response, the window, the outcome query) and their batched
+"""Hindsight examples (the hindsight block, the window, the target) and their batched
 scoring against a one-example-at-a-time reference."""
 
 from __future__ import annotations
@@ -10,7 +10,12 @@ import torch
 
 from hisr_core.config import HindsightParams
 from hisr_core.envs import environment_class
-from hisr_core.hindsight import MASK, hindsight_example, hindsight_logprobs, trajectory_examples
+from hisr_core.hindsight import (
+    Window,
+    hindsight_example,
+    hindsight_logprobs,
+    trajectory_examples,
+)
 from hisr_core.models import build_builtin, load_model, load_tokenizer
 from hisr_core.prompts import PromptBuilder
 from hisr_core.scoring import episode_of, masked_logprobs, turn_logprobs
@@ -28,7 +33,7 @@ def rows():
 @pytest.fixture(scope="module")
 def tiny_dir(rows, tmp_path_factory):
     texts = [t[k] for r in rows for t in r["turns"] for k in ("observation", "response")]
-    return build_builtin("builtin:tiny", texts + [MASK], 0, tmp_path_factory.mktemp("tiny"))
+    return build_builtin("builtin:tiny", texts, 0, tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -36,37 +41,39 @@ def tokenizer(tiny_dir):
     return load_tokenizer(tiny_dir)
 
 
-def _masked_text(tokenizer, enc) -> str:
-    return tokenizer.decode([t for t, m in zip(enc.input_ids, enc.response_mask, strict=True)
-                             if m])
+def _context(tokenizer, enc) -> str:
+    """The decoded example before its target."""
+    return tokenizer.decode(enc.input_ids[:enc.response_mask.index(1)])
 
 
-def test_the_example_masks_a_k_and_trains_only_on_it(rows, tokenizer):
+def test_the_example_holds_the_past_the_future_and_the_outcome_before_a_k(rows, tokenizer):
     builder = PromptBuilder(tokenizer, None, 4096)
     row = rows[1]
     system, turns = episode_of(row, GRAMMAR)
     k = 2
     enc = hindsight_example(builder, system, turns, k, row["outcome"], row["won"],
-                            row["final_observation"], window=None)
-    text = tokenizer.decode(enc.input_ids)
-    assert _masked_text(tokenizer, enc).startswith(turns[k][1])
-    assert text.count(MASK) == 1
-    context = text[:text.index("Outcome:")]
-    # Every other response and every observation stays in context, in order; a_k does not.
-    for j, (obs, resp) in enumerate(turns):
-        assert obs in context
-        assert (resp in context) == (j != k) or turns.count(turns[k]) > 1
-    assert context.index(MASK) > context.index(turns[k][0])
-    assert "Outcome: success (R = 1.00)" in text and row["final_observation"] in text
+                            row["final_observation"])
+    context = _context(tokenizer, enc)
+    block = context[context.index("Hindsight:"):context.index(turns[0][0])]
+    # The later turns and the outcome are in the hindsight block, in order...
+    later = [block.index(f"[Response] {resp}") for _, resp in turns[k + 1:]]
+    assert later == sorted(later) and len(later) == len(turns) - k - 1
+    assert "Outcome: success (R = 1.00)" in block and row["final_observation"] in block
+    # ...the past follows as the policy saw it, up to o_k; a_k is nowhere before the target.
+    trajectory = context[context.index(turns[0][0]):]
+    for obs, resp in [*turns[:k], (turns[k][0], "")]:
+        assert obs in trajectory and resp in trajectory
+    assert trajectory.rindex(turns[k][0]) > trajectory.rindex(turns[k - 1][1])
+    assert turns[k][1] not in context
     # The masked tokens are a_k and its end-of-turn marker, nothing else.
     target = builder._ids(turns[k][1]) + builder._asst_end
     assert [t for t, m in zip(enc.input_ids, enc.response_mask, strict=True) if m] == target
+    assert enc.turn_ids[enc.response_mask.index(1)] == k
 
 
 def _context_turns(tokenizer, enc, turns) -> list[int]:
-    """Turns whose (unique) response is in the example's context."""
-    text = tokenizer.decode(enc.input_ids)
-    context = text[:text.index("Outcome:")]
+    """Turns whose (unique) response is in the example before its target."""
+    context = _context(tokenizer, enc)
     return [j for j, (_, resp) in enumerate(turns) if resp in context]
 
 
@@ -75,23 +82,26 @@ def test_window_and_truncation_drop_the_farthest_turns(rows, tokenizer):
     system, turns = episode_of(row, GRAMMAR)
     assert len({resp for _, resp in turns}) == len(turns)
     m, k = len(turns), 3
+    assert m - 1 - k >= k  # the last turn is the farthest from k
 
     def example(max_tokens, window=None):
         return hindsight_example(PromptBuilder(tokenizer, None, max_tokens), system, turns, k,
-                                 row["outcome"], row["won"], row["final_observation"], window)
+                                 row["outcome"], row["won"], row["final_observation"],
+                                 window or Window())
 
-    assert _context_turns(tokenizer, example(4096, window=1), turns) == [k - 1, k + 1]
+    assert _context_turns(tokenizer, example(4096, Window(1, 1)), turns) == [k - 1, k + 1]
+    assert _context_turns(tokenizer, example(4096, Window(None, 1)), turns) == \
+        [j for j in range(k + 2) if j != k]
     full = example(4096)
     assert _context_turns(tokenizer, full, turns) == [j for j in range(m) if j != k]
     cut = example(len(full.input_ids) - 1)
     assert len(cut.input_ids) < len(full.input_ids)
-    # The farthest turn from k (the last one) goes first.
     assert _context_turns(tokenizer, cut, turns) == [j for j in range(m - 1) if j != k]
     with pytest.raises(ValueError, match="alone needs"):
         example(60)
 
 
-@pytest.mark.parametrize("window", [None, 1])
+@pytest.mark.parametrize("window", [Window(), Window(1, 2)], ids=["all", "past-1-future-2"])
 def test_batched_hindsight_scores_equal_one_at_a_time(rows, tiny_dir, tokenizer, window):
     model = load_model(tiny_dir).eval()
     builder = PromptBuilder(tokenizer, None, 4096)
@@ -118,7 +128,7 @@ def test_masked_logprobs_rejects_a_target_without_context(tokenizer, tiny_dir):
 
 def test_hindsight_training_smoke(rows, tiny_dir, tokenizer):
     builder = PromptBuilder(tokenizer, None, 4096)
-    examples = [e for r in rows for e in trajectory_examples(builder, r, GRAMMAR, 2)]
+    examples = [e for r in rows for e in trajectory_examples(builder, r, GRAMMAR, Window(2, 2))]
     assert len(examples) == sum(r["n_turns"] for r in rows)
     logs = []
     params = HindsightParams(backend="torch", max_steps=2, log_every=1, micro_batch_size=4)
