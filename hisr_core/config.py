@@ -158,9 +158,16 @@ class SprmParams(FitParams):
     loss ``(R - sum_i r_i)^2`` per trajectory (METHOD.md stage 4)."""
 
     epochs: float = Field(4.0, gt=0)
+    """Passes over the training trajectories (fractions allowed)."""
+
     lr: float = Field(5e-4, gt=0, le=1.0)
+    """Peak learning rate of AdamW (backbone and head)."""
+
     micro_batch_size: int = Field(4, ge=1)
+    """Trajectories per forward pass and process (each with all its sequences)."""
+
     log_every: int = Field(5, ge=1)
+    """Optimizer steps between logged losses."""
 
     head_dim: int | None = Field(None, ge=1)
     """Width of the head's hidden layer ``W1`` (``null``: the backbone's hidden size)."""
@@ -177,7 +184,10 @@ class HindsightParams(FitParams):
     and its outcome (METHOD.md stage 5); one example per turn of ``D_ct``."""
 
     epochs: float = Field(0.5, gt=0)
+    """Passes over the examples (one per turn; fractions allowed)."""
+
     lr: float = Field(1e-3, gt=0, le=1.0)
+    """Peak learning rate of AdamW."""
 
     past: int | None = Field(None, ge=0)
     """Turns kept before the masked one (``null``: all, as the policy's context has them);
