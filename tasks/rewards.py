@@ -5,8 +5,6 @@ case tables (the paper's Table 2)."""
 from __future__ import annotations
 
 import html
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ from hisr_core.scoring import episode_of, turn_logprobs
 from hisr_core.segment import Segment
 from hisr_core.sprm import load_sprm, pearson, turn_rewards
 from hisr_core.training import resolve_dtype
+from tasks.files import save_figure, write_csv, write_text
 from tasks.sprm import encode_rows
 
 
@@ -118,14 +117,6 @@ def position_shares(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float
     return out
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def write_position_plot(shares: dict[str, dict[str, float]], csv_path: Path,
                         png_path: Path) -> None:
     """The share of reward by segment position, before and after modulation: CSV (a DVC plot)
@@ -135,11 +126,11 @@ def write_position_plot(shares: dict[str, dict[str, float]], csv_path: Path,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lines = ["position,r_hat_all,r_him_all,r_hat_success,r_him_success"]
-    lines += [f"{p},{shares['all/r_hat'][p]:.6f},{shares['all/r_him'][p]:.6f},"
-              f"{shares['success/r_hat'][p]:.6f},{shares['success/r_him'][p]:.6f}"
-              for p in POSITIONS]
-    _atomic_text(csv_path, "\n".join(lines) + "\n")
+    keys = {"r_hat_all": "all/r_hat", "r_him_all": "all/r_him",
+            "r_hat_success": "success/r_hat", "r_him_success": "success/r_him"}
+    write_csv(csv_path, [["position", *keys],
+                         *([p, *(f"{shares[k][p]:.6f}" for k in keys.values())]
+                           for p in POSITIONS)])
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), dpi=120, sharey=True)
     for ax, group in zip(axes, ("all", "success"), strict=True):
         x = range(len(POSITIONS))
@@ -153,11 +144,7 @@ def write_position_plot(shares: dict[str, dict[str, float]], csv_path: Path,
     axes[0].set_ylabel("share of |reward|")
     axes[0].legend()
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(prefix=f".{png_path.name}.", suffix=".png", dir=png_path.parent)
-    os.close(fd)
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, png_path)
+    save_figure(fig, png_path)
 
 
 def pick_cases(rows: Sequence[dict[str, Any]], n: int) -> list[dict[str, Any]]:
@@ -201,5 +188,5 @@ def case_tables(rows: Sequence[dict[str, Any]]) -> tuple[str, str]:
 
 def write_cases(rows: Sequence[dict[str, Any]], n: int, md_path: Path, html_path: Path) -> None:
     md, page = case_tables(pick_cases(rows, n))
-    _atomic_text(md_path, md)
-    _atomic_text(html_path, page)
+    write_text(md_path, md)
+    write_text(html_path, page)

@@ -4,9 +4,6 @@ turns-per-segment histogram split by success and failure (the paper's Fig. 3).""
 from __future__ import annotations
 
 import collections
-import csv
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +14,7 @@ from hisr_core import contracts
 from hisr_core.config import Params
 from hisr_core.envs import environment_class
 from hisr_core.segment import Segment, segment_offline, validate
+from tasks.files import save_figure, write_csv
 
 
 @task(name="segment-trajectories")
@@ -91,13 +89,8 @@ def write_histogram(rows: list[dict[str, Any]], csv_path: Path, png_path: Path,
     import matplotlib.pyplot as plt
 
     table = length_histogram(rows)
-    csv_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{csv_path.name}.", dir=csv_path.parent)
-    with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=["turns", "success", "failure"])
-        writer.writeheader()
-        writer.writerows(table)
-    os.replace(tmp, csv_path)
+    columns = ["turns", "success", "failure"]
+    write_csv(csv_path, [columns, *([t[c] for c in columns] for t in table)])
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     x = [t["turns"] for t in table]
     for offset, key, color in ((-0.2, "success", "tab:green"), (0.2, "failure", "tab:red")):
@@ -110,8 +103,4 @@ def write_histogram(rows: list[dict[str, Any]], csv_path: Path, png_path: Path,
     ax.set_xticks(x)
     ax.legend()
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(prefix=f".{png_path.name}.", suffix=".png", dir=png_path.parent)
-    os.close(fd)
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, png_path)
+    save_figure(fig, png_path)

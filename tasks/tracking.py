@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -12,6 +11,7 @@ from typing import Any
 
 from hisr_core.config import Params
 from hisr_core.contracts import write_json
+from tasks.files import write_csv
 
 
 def _resolve_uri(uri: str) -> str:
@@ -92,8 +92,4 @@ class LossCurve:
 
     def write_csv(self, path: Path) -> None:
         """``step,loss`` rows, written atomically."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with tmp.open("w", newline="") as f:
-            csv.writer(f).writerows([("step", "loss"), *self.points])
-        tmp.replace(path)
+        write_csv(path, [("step", "loss"), *self.points])
