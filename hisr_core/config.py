@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ParamsError(ValueError):
@@ -225,6 +225,126 @@ class RewardsParams(Section):
     """Successful and failed trajectories shown in the case tables (each)."""
 
 
+Variant = Literal["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo", "grpo", "rft"]
+
+
+class PpoParams(Section):
+    """The ``ppo`` stage (METHOD.md stage 7): multi-turn PPO from ``pi_ref`` with a critic, for
+    each variant of METHOD.md's table and the baselines. ``rewards.beta`` / ``rewards.alpha``
+    shape the rewards; one iteration is collect → segment → score → fuse → advantages →
+    update."""
+
+    variants: list[Variant] = Field(
+        default_factory=lambda: ["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo", "grpo",
+                                 "rft"], min_length=1)
+    """Runs of the stage (one DVC stage instance and one MLflow run each): the reward variants,
+    ``grpo`` (group-normalised outcome advantage, no critic) and ``rft`` (fine-tuning of
+    ``pi_ref`` on its successful rollouts in ``D_ct``)."""
+
+    seed: int = Field(0, ge=0)
+    """Seed of task order, sampling, minibatch order and dropout."""
+
+    mode: Literal["online", "offline"] = "online"
+    """``online``: each iteration plays fresh rollouts with the current policy and scores them;
+    ``offline``: each iteration takes trajectories of ``D_st`` with the rewards stage's
+    precomputed rewards (SPA-RL's released setting)."""
+
+    iterations: int = Field(12, ge=1)
+    """PPO iterations (collect + update)."""
+
+    tasks_per_iter: int = Field(16, ge=1)
+    """Training tasks played per iteration (offline: ``D_st`` trajectories per iteration)."""
+
+    samples_per_task: int = Field(2, ge=1)
+    """Rollouts per task (the group of ``grpo``, which needs >= 2)."""
+
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the rollouts."""
+
+    top_p: float = Field(1.0, gt=0, le=1.0)
+    """Nucleus sampling of the rollouts."""
+
+    ppo_epochs: int = Field(2, ge=1)
+    """Passes over each iteration's data."""
+
+    minibatches: int = Field(2, ge=1)
+    """Optimizer steps per pass (the iteration's sequences split evenly)."""
+
+    micro_batch_size: int = Field(4, ge=1)
+    """Sequences per forward pass and process."""
+
+    lr: float = Field(2e-4, gt=0, le=1.0)
+    """Peak learning rate of the policy (AdamW)."""
+
+    critic_lr: float = Field(5e-4, gt=0, le=1.0)
+    """Peak learning rate of the critic (AdamW)."""
+
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
+    """Fraction of optimizer steps with linear warm-up."""
+
+    min_lr_ratio: float = Field(1.0, ge=0.0, le=1.0)
+    """Learning rate at the end of the cosine, as a fraction of the peak (1: constant)."""
+
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping norm (policy and critic separately)."""
+
+    clip: float = Field(0.2, gt=0, lt=1.0)
+    """PPO ratio clip epsilon."""
+
+    value_clip: float | None = Field(0.2, gt=0)
+    """Clip of the critic's change per iteration (``null``: unclipped value loss)."""
+
+    vf_coef: float = Field(0.5, gt=0)
+    """Weight of the value loss (the critic has its own optimizer; this scales its gradient)."""
+
+    gamma: float = Field(1.0, gt=0, le=1.0)
+    """GAE discount per response token."""
+
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    """GAE lambda."""
+
+    whiten_advantages: bool = True
+    """Whiten advantages over the iteration's response tokens."""
+
+    kl_coef: float = Field(0.01, ge=0.0)
+    """Weight of the KL-to-``pi_ref`` loss term (0: ``pi_ref`` is not scored)."""
+
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Estimator of the per-token KL (``k3``: unbiased and non-negative)."""
+
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Weight of the entropy bonus."""
+
+    backend: Literal["auto", "torch", "deepspeed"] = "auto"
+    """Training backend; ``auto``: DeepSpeed when a GPU is present, plain torch otherwise."""
+
+    zero_stage: int = Field(2, ge=0, le=3)
+    """DeepSpeed ZeRO stage (with ``backend: deepspeed``)."""
+
+    checkpoint_every: int = Field(2, ge=1)
+    """Iterations between checkpoints (policy, critic, optimizers, RNG, iteration); a killed
+    run restarted with the same command resumes from the last one."""
+
+    max_batch_tokens: int = Field(8192, ge=64)
+    """Padded tokens per scoring forward pass (rows x longest row)."""
+
+    rft_epochs: float = Field(1.0, gt=0)
+    """``rft``: passes over the successful rollouts (other settings from ``sft``)."""
+
+    lora: LoraParams = Field(default_factory=LoraParams)
+    """LoRA adapters on the policy instead of full fine-tuning."""
+
+    @model_validator(mode="after")
+    def _grpo_groups(self) -> PpoParams:
+        if "grpo" in self.variants and self.samples_per_task < 2:
+            raise ValueError("grpo needs samples_per_task >= 2 (its advantage is relative to "
+                             "the other rollouts of the same task)")
+        return self
+
+
 class OpenAIParams(Section):
     """The ``openai`` generation backend: any OpenAI-compatible completions server (vLLM)."""
 
@@ -409,6 +529,9 @@ class Params(Section):
 
     rewards: RewardsParams = Field(default_factory=RewardsParams)
     """Hindsight-modulated segmental rewards."""
+
+    ppo: PpoParams = Field(default_factory=PpoParams)
+    """Multi-turn PPO, its variants and baselines."""
 
     tracking: TrackingParams = Field(default_factory=TrackingParams)
     """MLflow tracking."""

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
@@ -54,6 +55,28 @@ def right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
     return ids, mask
 
 
+def scored_logits(model: nn.Module, ids: torch.Tensor, keep: torch.Tensor,
+                  parts: tuple[nn.Module, nn.Linear] | None = None) -> torch.Tensor:
+    """Next-token logits at the kept positions only (the rest never reach the LM head).
+    ``parts``: :func:`~hisr_core.training.lm_parts` of ``model`` (``None``: its own forward).
+
+    Shape: ids [B, T] right-padded, keep [B, T-1] bool (position t predicts token t+1) →
+    [N, V] float32, N the kept positions in row-major order.
+    """
+    # No attention mask: with right padding and causal attention a real token never sees a
+    # pad, so attention keeps its fast causal path (an explicit mask is materialised).
+    if parts is None:
+        return model(input_ids=ids, use_cache=False).logits[:, :-1][keep].float()
+    backbone, head = parts
+    hidden = backbone(input_ids=ids, use_cache=False).last_hidden_state
+    return head(hidden[:, :-1][keep]).float()
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits)[target]`` per row. Shape: [N, V], [N] → [N]."""
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
 @torch.inference_mode()
 def token_logprobs(model: PreTrainedModel, seqs: Sequence[Sequence[int]], pad_id: int,
                    max_batch_tokens: int = 8192,
@@ -83,17 +106,8 @@ def token_logprobs(model: PreTrainedModel, seqs: Sequence[Sequence[int]], pad_id
             keep[j, :len(seqs[i]) - 1] = (torch.tensor(list(score[i][1:]), dtype=torch.bool)
                                           if score is not None else True)
         ids, keep = ids.to(device), keep.to(device)
-        # No attention mask: with right padding and causal attention a real token never sees a
-        # pad, so attention keeps its fast causal path (an explicit mask is materialised).
-        if parts is None:
-            logits = model(input_ids=ids, use_cache=False).logits[:, :-1][keep].float()
-        else:
-            backbone, head = parts
-            hidden = backbone(input_ids=ids, use_cache=False).last_hidden_state
-            logits = head(hidden[:, :-1][keep]).float()
-        targets = ids[:, 1:][keep]
-        logp = (logits.gather(-1, targets[:, None]).squeeze(-1)
-                - torch.logsumexp(logits, dim=-1)).cpu()
+        logits = scored_logits(model, ids, keep, parts)
+        logp = target_logprobs(logits, ids[:, 1:][keep]).cpu()
         counts = keep.sum(dim=1).tolist()
         for i, piece in zip(batch, torch.split(logp, counts), strict=True):
             out[i] = piece.clone()

@@ -29,10 +29,10 @@ from transformers import PreTrainedTokenizerBase
 from hisr_core.config import SprmParams
 from hisr_core.fit import LogFn, fit, setup
 from hisr_core.models import load_model, load_tokenizer
-from hisr_core.prompts import PromptBuilder
+from hisr_core.prompts import Encoded, PromptBuilder
 from hisr_core.scoring import length_batches, right_pad, scoring_sequences
 from hisr_core.segment import Segment
-from hisr_core.training import barrier, plain_state, replace_folder, unwrap_hf
+from hisr_core.training import barrier, save_model_folder, unwrap_hf
 
 HEAD_FILE = "sprm_head.safetensors"
 CONFIG_FILE = "sprm.json"
@@ -96,16 +96,21 @@ class Trajectory:
 def encode_trajectory(builder: PromptBuilder, system: str, turns: Sequence[tuple[str, str]],
                       segments: Sequence[Segment], outcome: float) -> Trajectory:
     """The scoring sequences of a trajectory and where each turn's response ends in them."""
-    seqs = scoring_sequences(builder, system, turns)
+    return trajectory_of(scoring_sequences(builder, system, turns), len(turns), segments, outcome)
+
+
+def trajectory_of(seqs: Sequence[Encoded], n_turns: int, segments: Sequence[Segment],
+                  outcome: float) -> Trajectory:
+    """:func:`encode_trajectory` from a trajectory's scoring sequences, already built."""
     ends: dict[int, tuple[int, int]] = {}
     for s, enc in enumerate(seqs):
         for t, (on, k) in enumerate(zip(enc.response_mask, enc.turn_ids, strict=True)):
             if on:
                 ends[k] = (s, t)  # later tokens of the same turn overwrite: the last one stays
-    missing = [k for k in range(len(turns)) if k not in ends]
+    missing = [k for k in range(n_turns) if k not in ends]
     if missing:
         raise ValueError(f"turns {missing} have no response token in the scoring sequences")
-    return Trajectory([e.input_ids for e in seqs], [ends[k] for k in range(len(turns))],
+    return Trajectory([e.input_ids for e in seqs], [ends[k] for k in range(n_turns)],
                       [s.last for s in segments], float(outcome))
 
 
@@ -206,18 +211,14 @@ def save_sprm(model: SegmentRewardModel, out_dir: str | Path,
               tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
     """A Hugging Face folder of the backbone's causal LM (LoRA merged), the head's weights and
     its config, written atomically."""
-    hf, state = plain_state(model.lm)
     head = {"w1": model.w1.weight.detach().float().cpu().contiguous(),
             "w2": model.w2.weight.detach().float().cpu().contiguous()}
 
-    def write(tmp: Path) -> None:
-        hf.save_pretrained(tmp, state_dict=state)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        save_file(head, str(tmp / HEAD_FILE))
-        (tmp / CONFIG_FILE).write_text(json.dumps({"head_dim": model.head_dim}) + "\n")
+    def write_head(folder: Path) -> None:
+        save_file(head, str(folder / HEAD_FILE))
+        (folder / CONFIG_FILE).write_text(json.dumps({"head_dim": model.head_dim}) + "\n")
 
-    return replace_folder(Path(out_dir), write)
+    return save_model_folder(model.lm, out_dir, tokenizer, extra=write_head)
 
 
 def load_sprm(path: str | Path, dtype: torch.dtype | None = None

@@ -434,13 +434,17 @@ def replace_folder(out_dir: Path, write: Callable[[Path], None]) -> Path:
 
 
 def save_model_folder(model: nn.Module, out_dir: str | Path,
-                      tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
-    """Save ``model`` (LoRA merged) and ``tokenizer`` as a plain Hugging Face folder, atomically."""
+                      tokenizer: PreTrainedTokenizerBase | None = None,
+                      extra: Callable[[Path], None] | None = None) -> Path:
+    """Save ``model`` (LoRA merged) and ``tokenizer`` as a plain Hugging Face folder, atomically;
+    ``extra(folder)`` adds files of its own (a reward or value head) before the folder appears."""
     hf, state = plain_state(model)
 
     def write(tmp: Path) -> None:
         hf.save_pretrained(tmp, state_dict=state)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if extra is not None:
+            extra(tmp)
 
     return replace_folder(Path(out_dir), write)
