@@ -38,8 +38,10 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def stage_run(params: Params, stage: str, sections: Mapping[str, Any]) -> Iterator[Any]:
-    """An MLflow run named ``stage`` with ``sections`` logged as params.
+def stage_run(params: Params, stage: str, sections: Mapping[str, Any],
+              tags: Mapping[str, str] | None = None, resume: str | None = None) -> Iterator[Any]:
+    """An MLflow run named ``stage`` with ``sections`` logged as params (and ``tags``), or the
+    existing run ``resume`` continued (a stage restarted from its checkpoint).
 
     The experiment's artifacts live beside a local tracking database (``.../artifacts``).
     A pipeline run sets ``HISR_PARENT_RUN_ID`` so every stage nests under it.
@@ -55,9 +57,14 @@ def stage_run(params: Params, stage: str, sections: Mapping[str, Any]) -> Iterat
             artifacts = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").as_uri()
         mlflow.create_experiment(params.tracking.experiment, artifact_location=artifacts)
     mlflow.set_experiment(params.tracking.experiment)
+    if resume is not None:
+        with mlflow.start_run(run_id=resume) as run:
+            yield run
+        return
     parent = os.environ.get("HISR_PARENT_RUN_ID")
-    tags = {"hisr.stage": stage, **({"mlflow.parentRunId": parent} if parent else {})}
-    with mlflow.start_run(run_name=stage, tags=tags) as run:
+    all_tags = {"hisr.stage": stage, **({"mlflow.parentRunId": parent} if parent else {}),
+                **(tags or {})}
+    with mlflow.start_run(run_name=stage, tags=all_tags) as run:
         mlflow.log_params({k: json.dumps(v) if not isinstance(v, str) else v
                            for k, v in flatten(sections).items()})
         yield run

@@ -1,4 +1,4 @@
-"""The ``sprm``, ``hindsight`` and ``rewards`` stages through their command lines, on a small
+"""The ``sprm``, ``hindsight``, ``rewards`` and ``ppo`` stages through their command lines, on a small
 household ``D_ct`` and a builtin:tiny ``pi_ref``, against the session's Prefect server and
 MLflow store."""
 
@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from hisr_core import contracts
+from hisr_core.envs import make_environment
 from hisr_core.models import build_builtin
+from hisr_core.ppo_loop import read_checkpoint_meta
 from hisr_core.rewards import POSITIONS
 from tests.household_data import rollout_rows
 
@@ -106,3 +108,64 @@ def test_sprm_hindsight_and_rewards_stages(staged, run_module, write_params, mlf
     assert len(client.get_metric_history(runs["sprm"].info.run_id, "losses/sprm_turn")) == 3
     assert client.get_metric_history(runs["hindsight"].info.run_id, "losses/hindsight")
     assert "rewards/trajectories" in runs["rewards"].data.metrics
+
+
+def _ppo_overrides() -> dict:
+    return {**_overrides(),
+            "env": {"name": "household", "max_turns": 6},
+            "rollout": {"max_new_tokens": 24, "batch_size": 8},
+            "ppo": {"variants": ["hisr", "rft"], "iterations": 2, "tasks_per_iter": 2,
+                    "samples_per_task": 2, "ppo_epochs": 1, "minibatches": 1,
+                    "micro_batch_size": 2, "backend": "torch", "checkpoint_every": 1,
+                    "rft_epochs": 1.0},
+            "sft": {"backend": "torch", "micro_batch_size": 4, "max_steps": 2}}
+
+
+def test_ppo_stage_trains_resumes_and_logs(staged, run_module, write_params, mlflow_uri,
+                                           experiment):
+    """After the reward stages above (same data folder): ``hisr`` online for 2 iterations;
+    the same command again finds its finished checkpoint and continues the same MLflow run;
+    ``rft`` fine-tunes on the successful rollouts; an unknown variant is refused early."""
+    data = staged
+    assert (data / "rewards" / "rewards.parquet").is_file(), "run with the test above"
+    env = make_environment("household", max_turns=6)
+    contracts.write_rows([t.to_row() for t in env.make_tasks("train", 4, 0)],
+                         data / "tasks" / "train.parquet", "tasks")
+    params = write_params(_ppo_overrides())
+
+    def ppo(variant: str):
+        return run_module("flows.ppo", "--variant", variant, "--params", str(params),
+                          "--data", str(data))
+
+    bad = ppo("no_agr")
+    assert bad.returncode == 2 and "not in ppo.variants" in bad.stderr
+    first = ppo("hisr")
+    assert first.returncode == 0, first.stderr[-3000:]
+    out = data / "ppo" / "hisr"
+    assert (out / "models" / "policy" / "config.json").is_file()
+    assert (out / "models" / "critic" / "value_head.safetensors").is_file()
+    curve = (out / "curve.csv").read_text().splitlines()
+    assert curve[0].startswith("iteration,rollout_success,rewards_fused_mean,losses_policy")
+    assert [line.split(",")[0] for line in curve[1:]] == ["1", "2"]
+    metrics = json.loads((out / "metrics.json").read_text())["ppo"]
+    assert metrics["iterations"] == 2 and metrics["resumed_from"] == 0
+    assert read_checkpoint_meta(data / "cache" / "ppo" / "hisr")["iteration"] == 2
+
+    again = ppo("hisr")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed after 2" in again.stdout + again.stderr
+    assert json.loads((out / "metrics.json").read_text())["ppo"]["resumed_from"] == 2
+
+    rft = ppo("rft")
+    assert rft.returncode == 0, rft.stderr[-3000:]
+    assert (data / "ppo" / "rft" / "models" / "policy" / "config.json").is_file()
+
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_uri)
+    runs = mlflow.search_runs(experiment_names=[experiment], output_format="list")
+    hisr = [r for r in runs if r.info.run_name == "ppo/hisr"]
+    assert len(hisr) == 1 and hisr[0].data.tags["variant"] == "hisr"
+    history = mlflow.MlflowClient().get_metric_history(hisr[0].info.run_id, "rollout/success")
+    assert sorted(m.step for m in history) == [1, 2]
+    assert any(r.info.run_name == "ppo/rft" for r in runs)

@@ -1,0 +1,191 @@
+"""Tasks of the ``ppo`` stage: one variant's multi-turn PPO from ``pi_ref`` (online or offline),
+resumable from its checkpoint, or ``rft`` (fine-tuning ``pi_ref`` on its successful rollouts)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from prefect import task
+
+from hisr_core import contracts
+from hisr_core.config import Params
+from hisr_core.envs import Task, environment_class, make_environment
+from hisr_core.hindsight import Window
+from hisr_core.models import load_model, load_tokenizer
+from hisr_core.ppo_loop import (
+    Frozen,
+    Inputs,
+    load_checkpoint,
+    needs,
+    read_checkpoint_meta,
+    save_models,
+    setup,
+    train,
+)
+from hisr_core.prompts import PromptBuilder
+from hisr_core.sft import encode_trajectories, train_sft
+from hisr_core.sprm import load_sprm
+from hisr_core.training import resolve_dtype
+from tasks.files import write_csv
+from tasks.rollout import device
+from tasks.tracking import LossCurve
+
+#: Per-iteration metrics drawn in ``curve.csv`` (the DVC plot) and the README's curves.
+CURVE = ("rollout/success", "rewards/fused_mean", "losses/policy", "losses/value", "policy/kl",
+         "policy/entropy")
+
+
+def sections(params: Params, variant: str) -> dict[str, Any]:
+    """The params a variant's run reads (logged to MLflow, hashed into its fingerprint)."""
+    return {"variant": variant, "env": params.env.model_dump(), "model": params.model.model_dump(),
+            "segment": {"segmenter": params.segment.segmenter,
+                        "entropy_threshold": params.segment.entropy_threshold,
+                        "entropy_min_turns": params.segment.entropy_min_turns},
+            "hindsight": {"past": params.hindsight.past, "future": params.hindsight.future},
+            "rewards": {"beta": params.rewards.beta, "alpha": params.rewards.alpha},
+            "rollout": {"max_new_tokens": params.rollout.max_new_tokens,
+                        "batch_size": params.rollout.batch_size},
+            "sft": params.sft.model_dump() if variant == "rft" else {},
+            "ppo": params.ppo.model_dump(exclude={"variants"})}
+
+
+def fingerprint(params: Params, variant: str, inputs: list[Path]) -> str:
+    """What a checkpoint must match to be resumed: the params read and the input files'
+    names, sizes and modification times."""
+    files = sorted(p for path in inputs for p in ([path] if path.is_file() else path.rglob("*"))
+                   if p.is_file())
+    stamp = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    blob = json.dumps([sections(params, variant), stamp], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def resumable(checkpoint: Path, fp: str) -> dict[str, Any] | None:
+    """The checkpoint's meta when it belongs to this very run (same fingerprint); a checkpoint
+    of other params or inputs is removed, so the run starts afresh."""
+    meta = read_checkpoint_meta(checkpoint)
+    if meta is not None and meta.get("fingerprint") == fp:
+        return meta
+    if checkpoint.exists():
+        print(f"{checkpoint}: a checkpoint of other params or inputs; starting afresh")
+        shutil.rmtree(checkpoint)
+    return None
+
+
+def _frozen(params: Params, variant: str, pi_ref: Path, pi_hind: Path, sprm: Path) -> Frozen:
+    need = needs(variant, params.ppo)
+    dtype = resolve_dtype(params.model.dtype)
+    dev = device()
+
+    def lm(path: Path) -> torch.nn.Module:
+        return load_model(path, dtype=dtype).to(dev).eval()
+
+    return Frozen(
+        # A LoRA policy scores pi_ref itself, with its adapters disabled.
+        ref=lm(pi_ref) if need["ref"] and not params.ppo.lora.enabled else None,
+        hind=lm(pi_hind) if need["hind"] else None,
+        sprm=load_sprm(sprm / "model", dtype)[0].to(dev) if need["sprm"] else None,
+        turn_sprm=load_sprm(sprm / "turn_model", dtype)[0].to(dev) if need["turn_sprm"] else None)
+
+
+def offline_rows(params: Params, variant: str, d_st: Path, rewards: Path) -> list[dict[str, Any]]:
+    """``D_st`` rows with the rewards stage's per-turn rewards of ``variant`` (``grpo``: the
+    outcome only; its group advantage reads nothing else)."""
+    rows = contracts.read_rows(d_st, "segmented")
+    if variant == "grpo":
+        return [{**r, "turn_rewards": [0.0] * (r["n_turns"] - 1) + [r["outcome"]]} for r in rows]
+    if variant not in params.rewards.variants:
+        raise ValueError(f"offline {variant} needs its rewards: add it to rewards.variants")
+    table = {(r["task_id"], r["sample"]): r for r in contracts.read_rows(rewards, "rewards")}
+    out = []
+    for r in rows:
+        scored = table.get((r["task_id"], r["sample"]))
+        if scored is None:
+            raise ValueError(f"{rewards} has no rewards for {r['task_id']} sample {r['sample']}")
+        by_variant = {v["variant"]: v["turn_rewards"] for v in scored["variants"]}
+        out.append({**r, "turn_rewards": by_variant[variant]})
+    return out
+
+
+@task(name="ppo-train")
+def train_ppo(params: Params, variant: str, pi_ref: Path, pi_hind: Path, sprm: Path,
+              tasks_path: Path, d_st: Path, rewards: Path, out_dir: Path, checkpoint: Path,
+              extra: dict[str, Any], run_id: str | None) -> dict[str, Any]:
+    """PPO of one variant from ``pi_ref``, resumed from ``checkpoint`` when it holds an earlier
+    part of this run; saves ``out_dir/policy`` (and ``out_dir/critic``)."""
+    cfg = params.ppo
+    env_cls = environment_class(params.env.name)
+    tokenizer = load_tokenizer(pi_ref)
+    dtype = resolve_dtype(params.model.dtype)
+    builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
+    need = needs(variant, cfg)
+    learner = setup(load_model(pi_ref, dtype=dtype),
+                    load_model(pi_ref, dtype=dtype) if need["critic"] else None, cfg, variant,
+                    dtype)
+    frozen = _frozen(params, variant, pi_ref, pi_hind, sprm)
+    common = {"window": Window(params.hindsight.past, params.hindsight.future),
+              "beta": params.rewards.beta, "alpha": params.rewards.alpha,
+              "max_new_tokens": params.rollout.max_new_tokens,
+              "batch_size": params.rollout.batch_size}
+    if cfg.mode == "online":
+        inputs = Inputs(builder, env_cls.command_grammar,
+                        tasks=[Task.from_row(r) for r in contracts.read_rows(tasks_path, "tasks")],
+                        env=make_environment(params.env.name, params.env.max_turns,
+                                             **params.env.options),
+                        segmenter=params.segment.segmenter, verbs=env_cls.state_changing_verbs,
+                        entropy_threshold=params.segment.entropy_threshold,
+                        entropy_min_turns=params.segment.entropy_min_turns, **common)
+    else:
+        inputs = Inputs(builder, env_cls.command_grammar,
+                        rows=offline_rows(params, variant, d_st, rewards), **common)
+    meta = load_checkpoint(learner, checkpoint)
+    start = meta["iteration"] if meta else 0
+    if start:
+        print(f"resuming {variant} from its checkpoint after iteration {start}")
+    log = LossCurve("policy", run_id)
+    history = train(learner, frozen, inputs, start, checkpoint, extra, on_log=log)
+    save_models(learner, out_dir / "policy", out_dir / "critic" if need["critic"] else None,
+                tokenizer)
+    last = history[-1] if history else {}
+    return {"iterations": cfg.iterations, "resumed_from": start, "last": last}
+
+
+def write_curve(run_id: str, path: Path) -> list[dict[str, float]]:
+    """Per-iteration ``CURVE`` metrics of the MLflow run (after a resume, the values logged
+    last for an iteration win) as CSV; returns the rows."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    points: dict[int, dict[str, float]] = {}
+    for key in CURVE:
+        for m in client.get_metric_history(run_id, key):
+            points.setdefault(m.step, {})[key] = m.value
+    rows = [{"iteration": step, **points[step]} for step in sorted(points)]
+    header = ["iteration", *(k.replace("/", "_") for k in CURVE)]
+    write_csv(path, [header, *([r["iteration"], *(r.get(k, "") for k in CURVE)] for r in rows)])
+    return rows
+
+
+@task(name="rft-train")
+def train_rft(params: Params, pi_ref: Path, d_ct: Path, out_dir: Path, loss_csv: Path,
+              run_id: str | None) -> dict[str, Any]:
+    """``rft``: behaviour cloning from ``pi_ref`` on its own successful rollouts of ``D_ct``
+    (``sft`` settings, ``ppo.rft_epochs`` passes, ``ppo.seed``); saves ``out_dir/policy``."""
+    rows = [r for r in contracts.read_rows(d_ct, "rollouts") if r["won"]]
+    if not rows:
+        raise ValueError(f"{d_ct} has no successful rollouts to fine-tune on")
+    tokenizer = load_tokenizer(pi_ref)
+    builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
+    sequences = encode_trajectories(rows, builder, environment_class(params.env.name)
+                                    .command_grammar)
+    sft = params.sft.model_copy(update={"epochs": params.ppo.rft_epochs, "seed": params.ppo.seed})
+    curve = LossCurve("sft", run_id)
+    stats = train_sft(load_model(pi_ref, dtype=resolve_dtype(params.model.dtype)), tokenizer,
+                      sequences, sft, params.model.dtype, curve, lora=params.ppo.lora,
+                      out_dir=out_dir / "policy")
+    curve.write_csv(loss_csv)
+    return {**stats, "trajectories": len(rows), "sequences": len(sequences)}
