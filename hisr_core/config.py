@@ -249,10 +249,10 @@ class PpoParams(Section):
     ``offline``: each iteration takes trajectories of ``D_st`` with the rewards stage's
     precomputed rewards (SPA-RL's released setting)."""
 
-    iterations: int = Field(12, ge=1)
+    iterations: int = Field(8, ge=1)
     """PPO iterations (collect + update)."""
 
-    tasks_per_iter: int = Field(16, ge=1)
+    tasks_per_iter: int = Field(8, ge=1)
     """Training tasks played per iteration (offline: ``D_st`` trajectories per iteration)."""
 
     samples_per_task: int = Field(2, ge=1)

@@ -253,16 +253,20 @@ def iteration_tasks(tasks: Sequence[Task], cfg: PpoParams, iteration: int) -> li
 
 
 def collect(policy: nn.Module, builder: PromptBuilder, env: Environment, tasks: Sequence[Task],
-            cfg: PpoParams, max_new_tokens: int, batch_size: int, iteration: int
-            ) -> list[dict[str, Any]]:
+            cfg: PpoParams, max_new_tokens: int, batch_size: int, iteration: int,
+            progress: bool = False) -> list[dict[str, Any]]:
     """Play ``tasks`` ``samples_per_task`` times each with the current policy (sampling seeded
     by iteration and episode, so a resumed run draws the same episodes)."""
+    from tqdm.auto import tqdm
+
     model = unwrap_hf(policy)  # LoRA layers stay injected; plain HF forward signature
     generator = HFGenerator(model, builder.tokenizer, builder.stop_ids,
                             seed=cfg.seed * 1_000_003 + iteration, max_rows=batch_size)
-    rows = play(env, tasks, generator, builder,
-                Sampling(cfg.temperature, cfg.top_p, max_new_tokens), batch_size,
-                samples_per_task=cfg.samples_per_task)
+    with tqdm(total=len(tasks) * cfg.samples_per_task, desc=f"iteration {iteration + 1} play",
+              unit="ep", disable=not progress, leave=False, mininterval=2) as bar:
+        rows = play(env, tasks, generator, builder,
+                    Sampling(cfg.temperature, cfg.top_p, max_new_tokens), batch_size,
+                    samples_per_task=cfg.samples_per_task, on_episode=lambda _: bar.update())
     for row in rows:
         row["outcome"] = row["score"]
     return rows
@@ -348,9 +352,13 @@ def _ids_and_keep(encoded: Sequence[Encoded], pad_id: int) -> tuple[torch.Tensor
 
 def score(learner: Learner, frozen: Frozen, builder: PromptBuilder, grammar: Sequence[str],
           rows: Sequence[dict[str, Any]], segments: Sequence[list[Segment]],
-          window: Window, max_batch_tokens: int) -> list[Scored]:
+          window: Window, max_batch_tokens: int, progress: bool = False) -> list[Scored]:
     """Step 3 for this process's trajectories: every log-prob and value the update and the
-    rewards need, each computed once."""
+    rewards need, each computed once. ``progress``: a bar per model scoring."""
+
+    def bar(label: str) -> str | None:
+        return f"score {label}" if progress else None
+
     pad = _pad_id(builder)
     sequences = [scoring_sequences(builder, *episode_of(r, grammar)) for r in rows]
     flat = [enc for seqs in sequences for enc in seqs]
@@ -362,14 +370,16 @@ def score(learner: Learner, frozen: Frozen, builder: PromptBuilder, grammar: Seq
 
     policy = learner.policy_model
     policy.eval()
-    old = regroup(masked_logprobs(policy, flat, pad, max_batch_tokens))
+    old = regroup(masked_logprobs(policy, flat, pad, max_batch_tokens, bar("policy")))
     ref = None
     if learner.cfg.kl_coef > 0:
         if frozen.ref is None:  # a LoRA policy: pi_ref is the policy without its adapters
             with policy.disable_adapter():  # type: ignore[operator]
-                ref = regroup(masked_logprobs(policy, flat, pad, max_batch_tokens))
+                ref = regroup(masked_logprobs(policy, flat, pad, max_batch_tokens,
+                                              bar("pi_ref")))
         else:
-            ref = regroup(masked_logprobs(frozen.ref, flat, pad, max_batch_tokens))
+            ref = regroup(masked_logprobs(frozen.ref, flat, pad, max_batch_tokens,
+                                          bar("pi_ref")))
     values = None
     if learner.value_model is not None:
         learner.value_model.eval()
@@ -379,8 +389,8 @@ def score(learner: Learner, frozen: Frozen, builder: PromptBuilder, grammar: Seq
            for i, (r, s, seqs, o) in enumerate(zip(rows, segments, sequences, old, strict=True))]
     if "turn_rewards" in (rows[0] if rows else {}):
         return out  # offline: the rewards stage's per-turn rewards come with the rows
-    hind = (hindsight_logprobs(frozen.hind, builder, rows, grammar, window, max_batch_tokens)
-            if frozen.hind is not None else None)
+    hind = (hindsight_logprobs(frozen.hind, builder, rows, grammar, window, max_batch_tokens,
+                               bar("pi_hind")) if frozen.hind is not None else None)
     sprm = {}
     for name, model in (("sprm", frozen.sprm), ("turn_sprm", frozen.turn_sprm)):
         if model is not None:
@@ -568,13 +578,14 @@ def update(learner: Learner, samples: Sequence[Sample], pad_id: int, iteration: 
     lengths = [len(s.input_ids) for s in samples]
     pol = torch.zeros(5, dtype=torch.float64, device=device)
     crit = torch.zeros(3, dtype=torch.float64, device=device)
-    tokens, real, steps = 0, 0, 0
+    tokens, real, sequences, steps = 0, 0, 0, 0
     norms: list[float] = []
     for epoch in range(cfg.ppo_epochs):
         for window in minibatch_windows(lengths, cfg, info, iteration, epoch):
             batches = [collate([samples[i] for i in mb], pad_id).to(device) for mb in window]
             counts = all_reduce_sum(torch.tensor(
-                [sum(b.n_units for b in batches), sum(b.n_tokens for b in batches)],
+                [sum(b.n_units for b in batches), sum(b.n_tokens for b in batches),
+                 sum(int(b.input_ids.shape[0]) for b in batches)],
                 dtype=torch.float64, device=device))
             n_units = int(counts[0])
             stats, optim = _train_step(learner.policy, batches, lambda b: {
@@ -589,6 +600,7 @@ def update(learner: Learner, samples: Sequence[Sample], pad_id: int, iteration: 
                 crit += all_reduce_sum(stats)
             tokens += n_units
             real += int(counts[1])
+            sequences += int(counts[2])
             steps += 1
     n = max(tokens, 1)
     out = {"losses/policy": float(pol[0]) / n, "policy/kl": float(pol[1]) / n,
@@ -596,7 +608,7 @@ def update(learner: Learner, samples: Sequence[Sample], pad_id: int, iteration: 
            "policy/ratio_mean": float(pol[4]) / n, "optim/steps": steps,
            "optim/grad_norm": sum(norms) / max(len(norms), 1),
            "optim/lr": float(learner.policy.optimizer.param_groups[0]["lr"]),
-           "update/tokens": float(real)}
+           "update/tokens": float(real), "update/mean_length": real / max(sequences, 1)}
     if learner.critic is not None:
         out.update({"losses/value": float(crit[0]) / n, "critic/clipfrac": float(crit[1]) / n,
                     "critic/value_mean": float(crit[2]) / n})
@@ -610,6 +622,7 @@ class Inputs:
 
     online: env, tasks (the training split), segmenter settings, hindsight window.
     offline: rows (``D_st`` rows, each with ``turn_rewards`` of the variant).
+    progress: progress bars inside an iteration (episodes played, sequences scored).
     """
 
     builder: PromptBuilder
@@ -626,6 +639,7 @@ class Inputs:
     alpha: float = 0.1
     max_new_tokens: int = 96
     batch_size: int = 32
+    progress: bool = False
 
 
 def run_iteration(learner: Learner, frozen: Frozen, inputs: Inputs, iteration: int
@@ -640,7 +654,7 @@ def run_iteration(learner: Learner, frozen: Frozen, inputs: Inputs, iteration: i
         chosen = iteration_tasks(inputs.tasks, cfg, iteration)[info.rank::info.world_size]
         rows = collect(learner.policy_model, inputs.builder, inputs.env,
                        [inputs.tasks[i] for i in chosen], cfg, inputs.max_new_tokens,
-                       inputs.batch_size, iteration)
+                       inputs.batch_size, iteration, inputs.progress and info.is_main)
         keys = [(i, s) for i in chosen for s in range(cfg.samples_per_task)]
         # 2. segment
         segments = segment(rows, learner.variant, inputs.segmenter, inputs.verbs,
@@ -653,7 +667,7 @@ def run_iteration(learner: Learner, frozen: Frozen, inputs: Inputs, iteration: i
     t1 = time.perf_counter()
     # 3. score, 4. fuse, 5. advantages
     scored = score(learner, frozen, inputs.builder, inputs.grammar, rows, segments,
-                   inputs.window, cfg.max_batch_tokens)
+                   inputs.window, cfg.max_batch_tokens, inputs.progress and info.is_main)
     fuse(scored, learner.variant, inputs.beta, inputs.alpha)
     samples = gather_samples(advantages(scored, keys, learner.variant, cfg), info)
     t2 = time.perf_counter()

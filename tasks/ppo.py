@@ -111,6 +111,27 @@ def offline_rows(params: Params, variant: str, d_st: Path, rewards: Path) -> lis
     return out
 
 
+def _inputs(params: Params, variant: str, tokenizer: Any, tasks_path: Path, d_st: Path,
+            rewards: Path) -> Inputs:
+    """Online: the environment and its training tasks; offline: ``D_st`` with its rewards."""
+    env_cls = environment_class(params.env.name)
+    builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
+    common = {"window": Window(params.hindsight.past, params.hindsight.future),
+              "beta": params.rewards.beta, "alpha": params.rewards.alpha,
+              "max_new_tokens": params.rollout.max_new_tokens,
+              "batch_size": params.rollout.batch_size, "progress": True}
+    if params.ppo.mode == "offline":
+        return Inputs(builder, env_cls.command_grammar,
+                      rows=offline_rows(params, variant, d_st, rewards), **common)
+    return Inputs(builder, env_cls.command_grammar,
+                  tasks=[Task.from_row(r) for r in contracts.read_rows(tasks_path, "tasks")],
+                  env=make_environment(params.env.name, params.env.max_turns,
+                                       **params.env.options),
+                  segmenter=params.segment.segmenter, verbs=env_cls.state_changing_verbs,
+                  entropy_threshold=params.segment.entropy_threshold,
+                  entropy_min_turns=params.segment.entropy_min_turns, **common)
+
+
 @task(name="ppo-train")
 def train_ppo(params: Params, variant: str, pi_ref: Path, pi_hind: Path, sprm: Path,
               tasks_path: Path, d_st: Path, rewards: Path, out_dir: Path, checkpoint: Path,
@@ -118,30 +139,14 @@ def train_ppo(params: Params, variant: str, pi_ref: Path, pi_hind: Path, sprm: P
     """PPO of one variant from ``pi_ref``, resumed from ``checkpoint`` when it holds an earlier
     part of this run; saves ``out_dir/policy`` (and ``out_dir/critic``)."""
     cfg = params.ppo
-    env_cls = environment_class(params.env.name)
     tokenizer = load_tokenizer(pi_ref)
     dtype = resolve_dtype(params.model.dtype)
-    builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
     need = needs(variant, cfg)
     learner = setup(load_model(pi_ref, dtype=dtype),
                     load_model(pi_ref, dtype=dtype) if need["critic"] else None, cfg, variant,
                     dtype)
     frozen = _frozen(params, variant, pi_ref, pi_hind, sprm)
-    common = {"window": Window(params.hindsight.past, params.hindsight.future),
-              "beta": params.rewards.beta, "alpha": params.rewards.alpha,
-              "max_new_tokens": params.rollout.max_new_tokens,
-              "batch_size": params.rollout.batch_size}
-    if cfg.mode == "online":
-        inputs = Inputs(builder, env_cls.command_grammar,
-                        tasks=[Task.from_row(r) for r in contracts.read_rows(tasks_path, "tasks")],
-                        env=make_environment(params.env.name, params.env.max_turns,
-                                             **params.env.options),
-                        segmenter=params.segment.segmenter, verbs=env_cls.state_changing_verbs,
-                        entropy_threshold=params.segment.entropy_threshold,
-                        entropy_min_turns=params.segment.entropy_min_turns, **common)
-    else:
-        inputs = Inputs(builder, env_cls.command_grammar,
-                        rows=offline_rows(params, variant, d_st, rewards), **common)
+    inputs = _inputs(params, variant, tokenizer, tasks_path, d_st, rewards)
     meta = load_checkpoint(learner, checkpoint)
     start = meta["iteration"] if meta else 0
     if start:

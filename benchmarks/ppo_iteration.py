@@ -1,0 +1,120 @@
+"""Where a PPO iteration's time goes (generate / score / update) and the update's achieved
+FLOP/s against the machine's measured matmul FLOP/s (MFU), for one variant with the default
+params and the pipeline's models. Prints one JSON object (and writes it with ``--out``).
+
+    python benchmarks/ppo_iteration.py --variant hisr --iterations 2 [--data data]
+
+Reads ``<data>/sft/pi_ref``, ``<data>/hindsight/pi_hind``, ``<data>/sprm`` (run the pipeline up
+to ``rewards`` first). Work done once per iteration: generation; the policy's, ``pi_ref``'s,
+the critic's, ``pi_hind``'s and the SPRM's scoring passes (the policy's log-probs serve both
+PPO's ratio and the hindsight log-ratio). Per pass over the data, the update recomputes only
+what changes with the weights: the policy's log-probs and the critic's values.
+
+Update FLOPs per trained token: ``6 * P`` for the matrices (forward + backward), plus
+``12 * layers * hidden * T`` for attention over a sequence of T tokens (forward + backward,
+causal halves counted as full, as PaLM's MFU does), for the policy (P with the LM head) and
+the critic (P without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+from _emit import emit  # benchmarks/, on the path when a benchmark runs as a script
+
+ROOT = Path(__file__).resolve().parents[1]
+try:
+    import hisr_core  # noqa: F401
+except ImportError:  # run from a checkout without installing the package
+    sys.path.insert(0, str(ROOT))
+
+
+def matmul_flops(threads: int, n: int = 1536, repeats: int = 20) -> float:
+    """The machine's float32 matmul FLOP/s (best of ``repeats``)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variant", default="hisr")
+    parser.add_argument("--iterations", type=int, default=2)
+    parser.add_argument("--params", type=Path, default=ROOT / "params.yaml")
+    parser.add_argument("--data", type=Path, default=ROOT / "data")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from hisr_core.config import load_params
+    from hisr_core.models import count_parameters, load_model, load_tokenizer
+    from hisr_core.ppo_loop import Learner, needs, run_iteration, setup
+    from hisr_core.training import unwrap_hf
+    from tasks.ppo import _frozen, _inputs
+
+    torch.set_num_threads(args.threads)
+    params = load_params(args.params)
+    cfg = params.ppo.model_copy(update={"iterations": args.iterations})
+    params = params.model_copy(update={"ppo": cfg})
+    pi_ref = args.data / "sft" / "pi_ref"
+    if not (pi_ref / "config.json").is_file():
+        raise SystemExit(f"no model folder at {pi_ref} (run the pipeline up to rewards first)")
+    peak = matmul_flops(args.threads)
+    need = needs(args.variant, cfg)
+    learner: Learner = setup(load_model(pi_ref), load_model(pi_ref) if need["critic"] else None,
+                             cfg, args.variant, torch.float32)
+    frozen = _frozen(params, args.variant, pi_ref, args.data / "hindsight" / "pi_hind",
+                     args.data / "sprm")
+    inputs = _inputs(params, args.variant, load_tokenizer(pi_ref),
+                     args.data / "tasks" / "train.parquet", args.data / "segment" / "d_st.parquet",
+                     args.data / "rewards" / "rewards.parquet")
+    config = unwrap_hf(learner.policy_model).config.get_text_config()
+    p_policy = count_parameters(learner.policy_model)
+    p_critic = p_policy - config.vocab_size * config.hidden_size if need["critic"] else 0
+    phases: dict[str, float] = {"generate": 0.0, "score": 0.0, "update": 0.0}
+    flops, tokens, episodes = 0.0, 0, 0
+    for iteration in range(args.iterations):
+        m = run_iteration(learner, frozen, inputs, iteration)
+        for phase in phases:
+            phases[phase] += m[f"time/{phase}_s"]
+        # update/tokens counts every trained token of every pass; their mean sequence length
+        # sets the attention term.
+        attn = 12 * config.num_hidden_layers * config.hidden_size * m["update/mean_length"]
+        flops += m["update/tokens"] * ((6 * p_policy + attn) + (6 * p_critic + attn
+                                                                 if need["critic"] else 0))
+        tokens += int(m["update/tokens"])
+        episodes += int(m["rollout/episodes"])
+    total = sum(phases.values())
+    achieved = flops / phases["update"]
+    emit({"benchmark": "ppo_iteration", "variant": args.variant, "mode": cfg.mode,
+          "iterations": args.iterations, "episodes": episodes,
+          "seconds": {k: round(v, 1) for k, v in phases.items()},
+          "share": {k: round(v / total, 3) for k, v in phases.items()},
+          "update": {"tokens": tokens, "flop_per_s": round(achieved / 1e9, 2),
+                     "matmul_peak_flop_per_s": round(peak / 1e9, 2),
+                     "mfu": round(achieved / peak, 3), "unit": "GFLOP/s"},
+          "passes_per_iteration": {
+              "policy_logprobs": 1 + cfg.ppo_epochs, "critic_values": 1 + cfg.ppo_epochs,
+              "pi_ref": int(need["ref"]), "pi_hind": int(need["hind"]),
+              "sprm": int(need["sprm"]) + int(need["turn_sprm"])},
+          "params": {"policy": p_policy, "critic": p_critic},
+          "python": platform.python_version(), "threads": args.threads}, args.out)
+
+
+if __name__ == "__main__":
+    main()
