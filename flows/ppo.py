@@ -11,11 +11,13 @@ Writes ``<data>/ppo/<variant>/models/policy`` (and ``critic``), ``curve.csv`` (p
 success, reward, losses, KL) and ``metrics.json``; one MLflow run per variant (tag
 ``variant``). A checkpoint every ``ppo.checkpoint_every`` iterations goes to
 ``<data>/cache/ppo/<variant>``; the same command after a crash or a kill resumes from it and
-continues the same MLflow run.
+continues the same MLflow run. Under ``torchrun`` / the ``deepspeed`` launcher rank 0 runs the
+Prefect flow and logs; the other ranks run the same training steps directly.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from prefect import flow
@@ -85,12 +87,33 @@ def ppo_flow(variant: str, params_path: Path = Path("params.yaml"),
     return report
 
 
+def _worker(variant: str, params_path: Path, data: Path) -> None:
+    """A non-zero rank: the same steps without Prefect or MLflow (training is collective).
+    Rank 0 has already removed a stale checkpoint: the ranks meet first in the process group
+    that ``train_ppo`` creates, which rank 0 joins only after that."""
+    from tasks.ppo import train_ppo, train_rft
+
+    params = load_or_exit(params_path, _check_variant(variant))
+    out = data / "ppo" / variant
+    if variant == "rft":
+        train_rft.fn(params, data / "sft" / "pi_ref", data / "collect" / "d_ct.parquet",
+                     out / "models", out / "curve.csv", None)
+        return
+    train_ppo.fn(params, variant, data / "sft" / "pi_ref", data / "hindsight" / "pi_hind",
+                 data / "sprm", data / "tasks" / "train.parquet",
+                 data / "segment" / "d_st.parquet", data / "rewards" / "rewards.parquet",
+                 out / "models", data / "cache" / "ppo" / variant, {}, None)
+
+
 def main() -> None:
     parser = stage_parser(__doc__.splitlines()[0])
     parser.add_argument("--variant", required=True, help="one of ppo.variants")
     args = parser.parse_args()
-    load_or_exit(args.params, _check_variant(args.variant))
-    ppo_flow(variant=args.variant, params_path=args.params, data=args.data)
+    load_or_exit(args.params, _check_variant(args.variant))  # fail before Prefect starts
+    if int(os.environ.get("RANK", "0")) > 0:
+        _worker(args.variant, args.params, args.data)
+    else:
+        ppo_flow(variant=args.variant, params_path=args.params, data=args.data)
 
 
 if __name__ == "__main__":

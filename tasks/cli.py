@@ -16,6 +16,8 @@ def stage_parser(description: str) -> argparse.ArgumentParser:
                         help="parameters file (default: params.yaml)")
     parser.add_argument("--data", type=Path, default=Path("data"),
                         help="data folder the stage reads and writes (default: data)")
+    # The ``deepspeed`` launcher passes --local_rank; the process reads LOCAL_RANK instead.
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
 
 

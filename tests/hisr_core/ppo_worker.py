@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--offline", type=int, default=0, help="offline on this many D_st rows")
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--local_rank", type=int, help="passed by the deepspeed launcher")
     args = parser.parse_args(argv)
     import torch
 

@@ -97,7 +97,10 @@ def _free_port() -> int:
 def _command(model: Path, out: Path, backend: str = "torch", nproc: int = 1, micro: int = 2,
              iterations: int = 2, offline: int = 0, checkpoint: Path | None = None) -> list[str]:
     launcher = [sys.executable]
-    if nproc > 1:
+    if nproc > 1 and backend == "deepspeed":  # the deepspeed launcher (CPU: gloo)
+        launcher += ["-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
+                     "--master_port", str(_free_port())]
+    elif nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                      "--master_port", str(_free_port())]
     args = [str(WORKER), "--model", str(model), "--backend", backend, "--micro", str(micro),
@@ -143,8 +146,9 @@ def offline_reference(tiny_dir, tmp_path_factory):
                                                        reason="DeepSpeed is not installed")),
 ])
 def test_two_processes_match_one(tiny_dir, tmp_path, offline_reference, backend):
-    """Trajectories split across 2 CPU processes (gloo), samples gathered, each process its
-    slice of the same global micro-batches: the weights match one process's."""
+    """Trajectories split across 2 CPU processes (gloo; torchrun, or the deepspeed launcher),
+    samples gathered, each process its slice of the same global micro-batches: the weights
+    match one process's."""
     out = tmp_path / "two.pt"
     result = run_worker(_command(tiny_dir, out, backend, nproc=2, micro=2, offline=10), out)
     assert result["world_size"] == 2 and result["backend"] == backend
