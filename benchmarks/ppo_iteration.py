@@ -10,10 +10,10 @@ the critic's, ``pi_hind``'s and the SPRM's scoring passes (the policy's log-prob
 PPO's ratio and the hindsight log-ratio). Per pass over the data, the update recomputes only
 what changes with the weights: the policy's log-probs and the critic's values.
 
-Update FLOPs per trained token: ``6 * P`` for the matrices (forward + backward), plus
-``12 * layers * hidden * T`` for attention over a sequence of T tokens (forward + backward,
-causal halves counted as full, as PaLM's MFU does), for the policy (P with the LM head) and
-the critic (P without it).
+Update FLOPs (forward + backward = 3 x forward): per token and model (policy, critic)
+``6 * P_layers`` for the decoder layers' matrices plus ``6 * layers * hidden * T`` for causal
+attention over a sequence of T tokens (the mean length of the trained sequences); plus the
+policy's LM head, ``6 * vocab * hidden`` per response token (only response positions reach it).
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def main(argv: list[str] | None = None) -> None:
                      args.data / "tasks" / "train.parquet", args.data / "segment" / "d_st.parquet",
                      args.data / "rewards" / "rewards.parquet")
     config = unwrap_hf(learner.policy_model).config.get_text_config()
-    p_policy = count_parameters(learner.policy_model)
-    p_critic = p_policy - config.vocab_size * config.hidden_size if need["critic"] else 0
+    p_layers = sum(p.numel() for p in unwrap_hf(learner.policy_model).base_model.layers
+                   .parameters())
+    models = 2 if need["critic"] else 1
     phases: dict[str, float] = {"generate": 0.0, "score": 0.0, "update": 0.0}
     flops, tokens, episodes = 0.0, 0, 0
     for iteration in range(args.iterations):
@@ -94,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
             phases[phase] += m[f"time/{phase}_s"]
         # update/tokens counts every trained token of every pass; their mean sequence length
         # sets the attention term.
-        attn = 12 * config.num_hidden_layers * config.hidden_size * m["update/mean_length"]
-        flops += m["update/tokens"] * ((6 * p_policy + attn) + (6 * p_critic + attn
-                                                                 if need["critic"] else 0))
+        attn = 6 * config.num_hidden_layers * config.hidden_size * m["update/mean_length"]
+        flops += models * m["update/tokens"] * (6 * p_layers + attn)
+        flops += 6 * config.vocab_size * config.hidden_size * m["update/response_tokens"]
         tokens += int(m["update/tokens"])
         episodes += int(m["rollout/episodes"])
     total = sum(phases.values())
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
               "policy_logprobs": 1 + cfg.ppo_epochs, "critic_values": 1 + cfg.ppo_epochs,
               "pi_ref": int(need["ref"]), "pi_hind": int(need["hind"]),
               "sprm": int(need["sprm"]) + int(need["turn_sprm"])},
-          "params": {"policy": p_policy, "critic": p_critic},
+          "params": {"policy": count_parameters(learner.policy_model), "decoder_layers": p_layers},
           "python": platform.python_version(), "threads": args.threads}, args.out)
 
 

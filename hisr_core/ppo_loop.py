@@ -608,7 +608,8 @@ def update(learner: Learner, samples: Sequence[Sample], pad_id: int, iteration: 
            "policy/ratio_mean": float(pol[4]) / n, "optim/steps": steps,
            "optim/grad_norm": sum(norms) / max(len(norms), 1),
            "optim/lr": float(learner.policy.optimizer.param_groups[0]["lr"]),
-           "update/tokens": float(real), "update/mean_length": real / max(sequences, 1)}
+           "update/tokens": float(real), "update/response_tokens": float(tokens),
+           "update/mean_length": real / max(sequences, 1)}
     if learner.critic is not None:
         out.update({"losses/value": float(crit[0]) / n, "critic/clipfrac": float(crit[1]) / n,
                     "critic/value_mean": float(crit[2]) / n})
