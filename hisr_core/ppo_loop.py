@@ -196,10 +196,10 @@ class Learner:
         return None if self.critic is None else self.critic.model  # type: ignore[return-value]
 
 
-def needs(variant: str, cfg: PpoParams, mode: str | None = None) -> dict[str, bool]:
+def needs(variant: str, cfg: PpoParams) -> dict[str, bool]:
     """Which frozen models a variant reads: ``ref``, ``hind``, ``sprm``, ``turn_sprm``, and
     whether it trains a ``critic``."""
-    online = (mode or cfg.mode) == "online"
+    online = cfg.mode == "online"
     return {"ref": cfg.kl_coef > 0,
             "hind": online and variant in MODULATED,
             "sprm": online and variant in {"hisr", "no_him", "no_agr"},
