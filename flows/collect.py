@@ -13,6 +13,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from tasks.caching import use_cache_dir
 from tasks.cli import load_or_exit, stage_parser
 from tasks.expert import check_env
 from tasks.models import check_model_dir
@@ -25,10 +26,12 @@ def collect_flow(model: Path, params_path: Path = Path("params.yaml"),
     from tasks.collect import collect
 
     params = load_or_exit(params_path, lambda p: (check_env(p.env), check_model_dir(model)))
+    use_cache_dir(data / "cache" / "prefect")
     sections = {"env": params.env.model_dump(), "model": params.model.model_dump(),
                 "rollout": params.rollout.model_dump(), "collect": params.collect.model_dump()}
     out = data / "collect"
-    with stage_run(params, "collect", sections):
+    with stage_run(params, "collect", sections, reads=[model, data / "tasks" / "train.parquet"],
+                   writes=[out]):
         metrics = collect(params, model, data / "tasks" / "train.parquet", out / "d_ct.parquet",
                           out / "dropped.parquet", policy="pi_ref")
         log_metrics({"collect": metrics}, out / "metrics.json")

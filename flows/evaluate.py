@@ -13,24 +13,27 @@ from pathlib import Path
 
 from prefect import flow
 
+from tasks.caching import use_cache_dir
 from tasks.cli import load_or_exit, stage_parser
 from tasks.expert import check_env
 from tasks.models import check_model_dir
 from tasks.tracking import log_metrics, stage_run
 
 
-@flow(name="evaluate", log_prints=True)
+@flow(name="evaluate", log_prints=True, flow_run_name="evaluate/{name}")
 def evaluate_flow(model: Path, name: str, params_path: Path = Path("params.yaml"),
-                  data: Path = Path("data")) -> dict:
+                  data: Path = Path("data"), tags: dict[str, str] | None = None) -> dict:
     from tasks.evaluate import evaluate_split, table_row, task_types
 
     params = load_or_exit(params_path, lambda p: (check_env(p.env), check_model_dir(model)))
+    use_cache_dir(data / "cache" / "prefect")
     types = task_types(params.env.name)
     metrics: dict = {}
     sections = {"env": params.env.model_dump(), "model": params.model.model_dump(),
                 "evaluate": params.evaluate.model_dump(),
                 "rollout": params.rollout.model_dump(), "policy": name}
-    with stage_run(params, f"evaluate/{name}", sections):
+    with stage_run(params, f"evaluate/{name}", sections, tags={"policy": name, **(tags or {})},
+                   reads=[model, data / "tasks"], writes=[data / "eval" / name]):
         for split in params.evaluate.splits:
             table = evaluate_split(params, model, split, data / "tasks" / f"{split}.parquet",
                                    data / "eval" / name / "episodes" / f"{split}.parquet", name)
@@ -46,10 +49,17 @@ def evaluate_flow(model: Path, name: str, params_path: Path = Path("params.yaml"
 def main() -> None:
     parser = stage_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="policy model folder")
-    parser.add_argument("--name", required=True, help="policy name (sft, ppo-hisr, ...)")
+    parser.add_argument("--name", required=True,
+                        help="policy name, also its folder under <data>/eval (sft, hisr/seed0, ...)")
+    parser.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE",
+                        help="MLflow tag of the run (repeatable), e.g. --tag variant=hisr")
     args = parser.parse_args()
+    bad = [t for t in args.tag if "=" not in t or not t.split("=", 1)[0]]
+    if bad:
+        parser.error(f"--tag takes KEY=VALUE, got {bad[0]!r}")
     load_or_exit(args.params, lambda p: (check_env(p.env), check_model_dir(args.model)))
-    evaluate_flow(model=args.model, name=args.name, params_path=args.params, data=args.data)
+    evaluate_flow(model=args.model, name=args.name, params_path=args.params, data=args.data,
+                  tags=dict(t.split("=", 1) for t in args.tag))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from tasks.caching import use_cache_dir
 from tasks.cli import load_or_exit, stage_parser
 from tasks.expert import check_env, expert_play, make_tasks
 from tasks.tracking import log_metrics, stage_run
@@ -20,8 +21,10 @@ from tasks.tracking import log_metrics, stage_run
 @flow(name="expert", log_prints=True)
 def expert_flow(params_path: Path = Path("params.yaml"), data: Path = Path("data")) -> dict:
     params = load_or_exit(params_path, lambda p: check_env(p.env))
+    use_cache_dir(data / "cache" / "prefect")
     cfg, env = params.expert, params.env
-    with stage_run(params, "expert", {"env": env.model_dump(), "expert": cfg.model_dump()}):
+    with stage_run(params, "expert", {"env": env.model_dump(), "expert": cfg.model_dump()},
+                   writes=[data / "tasks", data / "expert"]):
         metrics: dict = {"tasks": {}, "expert": {}}
         for split, n in cfg.split_sizes().items():
             path = data / "tasks" / f"{split}.parquet"

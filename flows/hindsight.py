@@ -15,6 +15,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from tasks.caching import use_cache_dir
 from tasks.cli import load_or_exit, require, stage_parser
 from tasks.expert import check_env
 from tasks.tracking import log_metrics, stage_run
@@ -27,12 +28,13 @@ def hindsight_flow(params_path: Path = Path("params.yaml"), data: Path = Path("d
     from tasks.hindsight import fit_hindsight
 
     params = load_or_exit(params_path, lambda p: check_env(p.env))
+    use_cache_dir(data / "cache" / "prefect")
     d_ct = require(data / "collect" / "d_ct.parquet", "collect")
     pi_ref = require(data / "sft" / "pi_ref", "sft")
     out = data / "hindsight"
     sections = {"env": {"name": params.env.name}, "model": params.model.model_dump(),
                 "hindsight": params.hindsight.model_dump()}
-    with stage_run(params, "hindsight", sections) as run:
+    with stage_run(params, "hindsight", sections, reads=[d_ct, pi_ref], writes=[out]) as run:
         report = fit_hindsight(params, d_ct, pi_ref, out / "pi_hind", out / "loss.csv",
                                run.info.run_id)
         log_metrics({"hindsight": report}, out / "metrics.json")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from tasks.caching import use_cache_dir
 from tasks.cli import load_or_exit, require, stage_parser
 from tasks.expert import check_env
 from tasks.tracking import log_metrics, stage_run
@@ -29,6 +30,7 @@ def rewards_flow(params_path: Path = Path("params.yaml"), data: Path = Path("dat
     from tasks.rewards import reward_metrics, score, write_cases, write_position_plot
 
     params = load_or_exit(params_path, lambda p: check_env(p.env))
+    use_cache_dir(data / "cache" / "prefect")
     d_st = require(data / "segment" / "d_st.parquet", "segment")
     pi_ref = require(data / "sft" / "pi_ref", "sft")
     pi_hind = require(data / "hindsight" / "pi_hind", "hindsight")
@@ -38,7 +40,8 @@ def rewards_flow(params_path: Path = Path("params.yaml"), data: Path = Path("dat
                 "hindsight": {"past": params.hindsight.past,
                               "future": params.hindsight.future},
                 "rewards": params.rewards.model_dump()}
-    with stage_run(params, "rewards", sections):
+    with stage_run(params, "rewards", sections, reads=[d_st, pi_ref, pi_hind, sprm],
+                   writes=[out]):
         rows = score(params, d_st, pi_ref, pi_hind, sprm, out / "rewards.parquet")
         metrics = reward_metrics(rows)
         write_position_plot(metrics["position_share"], out / "position_share.csv",

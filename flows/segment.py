@@ -14,6 +14,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from tasks.caching import use_cache_dir
 from tasks.cli import load_or_exit, require, stage_parser
 from tasks.expert import check_env
 from tasks.tracking import log_metrics, stage_run
@@ -26,10 +27,11 @@ def segment_flow(params_path: Path = Path("params.yaml"), data: Path = Path("dat
     from tasks.segment import segment, write_histogram
 
     params = load_or_exit(params_path, lambda p: check_env(p.env))
+    use_cache_dir(data / "cache" / "prefect")
     d_ct = require(data / "collect" / "d_ct.parquet", "collect")
     out = data / "segment"
     sections = {"env": {"name": params.env.name}, "segment": params.segment.model_dump()}
-    with stage_run(params, "segment", sections):
+    with stage_run(params, "segment", sections, reads=[d_ct], writes=[out]):
         rows, metrics = segment(params, d_ct, out / "d_st.parquet")
         write_histogram(rows, out / "segment_lengths.csv", out / "segment_lengths.png",
                         params.segment.segmenter)

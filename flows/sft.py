@@ -18,6 +18,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from tasks.caching import use_cache_dir
 from tasks.cli import load_or_exit, stage_parser
 from tasks.expert import check_env
 from tasks.models import check_model_source
@@ -34,11 +35,12 @@ def sft_flow(params_path: Path = Path("params.yaml"), data: Path = Path("data"))
     from tasks.sft import prepare_base, train
 
     params = load_or_exit(params_path, _check)
+    use_cache_dir(data / "cache" / "prefect")
     d_bc, out = data / "expert" / "d_bc.parquet", data / "sft"
     sections = {"env": params.env.model_dump(), "model": params.model.model_dump(),
                 "sft": params.sft.model_dump()}
-    with stage_run(params, "sft", sections) as run, tempfile.TemporaryDirectory() as work:
-        base = prepare_base(params, d_bc, Path(work) / "base")
+    with stage_run(params, "sft", sections, reads=[d_bc], writes=[out]) as run:
+        base = prepare_base(params, d_bc, data / "cache" / "sft" / "base")
         stats = train(params, base, d_bc, out / "pi_ref", out / "loss.csv", run.info.run_id)
         log_metrics({"sft": stats}, out / "metrics.json")
         import mlflow

@@ -19,6 +19,7 @@ from pathlib import Path
 from prefect import flow
 
 from hisr_core.training import replace_folder
+from tasks.caching import use_cache_dir
 from tasks.cli import load_or_exit, require, stage_parser
 from tasks.expert import check_env
 from tasks.tracking import log_metrics, stage_run
@@ -31,13 +32,14 @@ def sprm_flow(params_path: Path = Path("params.yaml"), data: Path = Path("data")
     from tasks.sprm import fit_sprm
 
     params = load_or_exit(params_path, lambda p: check_env(p.env))
+    use_cache_dir(data / "cache" / "prefect")
     d_st = require(data / "segment" / "d_st.parquet", "segment")
     pi_ref = require(data / "sft" / "pi_ref", "sft")
     out = data / "sprm"
     sections = {"env": {"name": params.env.name}, "model": params.model.model_dump(),
                 "sprm": params.sprm.model_dump()}
     reports = {}
-    with stage_run(params, "sprm", sections) as run:
+    with stage_run(params, "sprm", sections, reads=[d_st, pi_ref], writes=[out]) as run:
         for name, turn_level, curve in (("model", False, "loss.csv"),
                                         ("turn_model", True, "loss_turn_model.csv")):
             if turn_level and params.segment.segmenter == "turn":

@@ -234,15 +234,9 @@ class PpoParams(Section):
     shape the rewards; one iteration is collect → segment → score → fuse → advantages →
     update."""
 
-    variants: list[Variant] = Field(
-        default_factory=lambda: ["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo", "grpo",
-                                 "rft"], min_length=1)
-    """Runs of the stage (one DVC stage instance and one MLflow run each): the reward variants,
-    ``grpo`` (group-normalised outcome advantage, no critic) and ``rft`` (fine-tuning of
-    ``pi_ref`` on its successful rollouts in ``D_ct``)."""
-
     seed: int = Field(0, ge=0)
-    """Seed of task order, sampling, minibatch order and dropout."""
+    """Seed of task order, sampling, minibatch order and dropout. The pipeline sets it per run
+    from ``sweep.seeds`` (``flows.ppo --seed``), so ``params.yaml`` leaves it out."""
 
     mode: Literal["online", "offline"] = "online"
     """``online``: each iteration plays fresh rollouts with the current policy and scores them;
@@ -337,12 +331,28 @@ class PpoParams(Section):
     lora: LoraParams = Field(default_factory=LoraParams)
     """LoRA adapters on the policy instead of full fine-tuning."""
 
-    @model_validator(mode="after")
-    def _grpo_groups(self) -> PpoParams:
-        if "grpo" in self.variants and self.samples_per_task < 2:
-            raise ValueError("grpo needs samples_per_task >= 2 (its advantage is relative to "
-                             "the other rollouts of the same task)")
-        return self
+class SweepParams(Section):
+    """Which PPO runs the pipeline trains, evaluates and reports: every variant with every
+    seed (``dvc.yaml``'s ``matrix``; one stage instance and one MLflow run each). A stage does
+    not read this section, so adding a seed adds runs without rerunning the others."""
+
+    variants: list[Variant] = Field(
+        default_factory=lambda: ["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo", "grpo",
+                                 "rft"], min_length=1)
+    """The reward variants, ``grpo`` (group-normalised outcome advantage, no critic) and
+    ``rft`` (fine-tuning of ``pi_ref`` on its successful rollouts in ``D_ct``)."""
+
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    """``ppo.seed`` of each run; the report shows mean ± std over them."""
+
+    @field_validator("variants", "seeds")
+    @classmethod
+    def _distinct(cls, v: list[Any]) -> list[Any]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"must not repeat an entry (got {v})")
+        if any(isinstance(x, int) and x < 0 for x in v):
+            raise ValueError(f"seeds must be >= 0 (got {v})")
+        return v
 
 
 class OpenAIParams(Section):
@@ -533,8 +543,18 @@ class Params(Section):
     ppo: PpoParams = Field(default_factory=PpoParams)
     """Multi-turn PPO, its variants and baselines."""
 
+    sweep: SweepParams = Field(default_factory=SweepParams)
+    """The PPO runs of the pipeline (variants x seeds)."""
+
     tracking: TrackingParams = Field(default_factory=TrackingParams)
     """MLflow tracking."""
+
+    @model_validator(mode="after")
+    def _grpo_groups(self) -> Params:
+        if "grpo" in self.sweep.variants and self.ppo.samples_per_task < 2:
+            raise ValueError("grpo needs ppo.samples_per_task >= 2 (its advantage is relative "
+                             "to the other rollouts of the same task)")
+        return self
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple[str | int, ...]) -> list[str]:

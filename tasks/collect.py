@@ -7,17 +7,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-
 from hisr_core import contracts
 from hisr_core.collect import drop_reason
 from hisr_core.config import Params
 from hisr_core.envs import Task, make_environment
 from hisr_core.rollout import Sampling
+from tasks.caching import cached_task
 from tasks.rollout import open_generator, play_with_progress
 
 
-@task(name="collect-rollouts")
+@cached_task("collect-rollouts", inputs=["model_dir", "tasks_path"],
+             outputs=["out", "dropped_out"], sections=["env", "model", "rollout", "collect"],
+             retries=2)
 def collect(params: Params, model_dir: Path, tasks_path: Path, out: Path, dropped_out: Path,
             policy: str) -> dict[str, Any]:
     """Play the first ``collect.n_tasks`` training tasks ``samples_per_task`` times each;

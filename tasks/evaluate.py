@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-
 from hisr_core import contracts
 from hisr_core.config import Params
 from hisr_core.envs import Task, environment_class, make_environment
 from hisr_core.rollout import Sampling, success_table
+from tasks.caching import cached_task
 from tasks.rollout import open_generator, play_with_progress
 
 
@@ -18,7 +17,8 @@ def task_types(env_name: str) -> list[str]:
     return list(environment_class(env_name).task_types)
 
 
-@task(name="evaluate-split")
+@cached_task("evaluate-split", inputs=["model_dir", "tasks_path"], outputs=["out"],
+             sections=["env", "model", "rollout", "evaluate"], retries=2)
 def evaluate_split(params: Params, model_dir: Path, split: str, tasks_path: Path, out: Path,
                    policy: str) -> dict[str, Any]:
     """Play the split's tasks greedily; write the episodes; return success/score tables."""

@@ -7,12 +7,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from prefect import task
 from tqdm.auto import tqdm
 
 from hisr_core import contracts
 from hisr_core.config import EnvParams
 from hisr_core.envs import Task, make_environment
+from tasks.caching import cached_task
 
 
 def check_env(env: EnvParams) -> None:
@@ -20,7 +20,7 @@ def check_env(env: EnvParams) -> None:
     make_environment(env.name, env.max_turns, **env.options)
 
 
-@task(name="make-tasks")
+@cached_task("make-tasks", outputs=["out"])
 def make_tasks(env: EnvParams, split: str, n: int, seed: int, out: Path) -> dict[str, Any]:
     """Generate ``n`` tasks of ``split`` and write them as a ``tasks`` table."""
     environment = make_environment(env.name, env.max_turns, **env.options)
@@ -30,7 +30,7 @@ def make_tasks(env: EnvParams, split: str, n: int, seed: int, out: Path) -> dict
         sorted(collections.Counter(t.task_type for t in tasks).items()))}
 
 
-@task(name="expert-play")
+@cached_task("expert-play", inputs=["tasks_path"], outputs=["out"])
 def expert_play(env: EnvParams, tasks_path: Path, out: Path | None,
                 slip_rate: float = 0.0) -> dict[str, Any]:
     """Play every task of ``tasks_path`` with the expert; write the wins to ``out`` (``D_bc``).

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from prefect import task
 
 from hisr_core import contracts
 from hisr_core.config import Params
@@ -18,6 +17,7 @@ from hisr_core.prompts import PromptBuilder
 from hisr_core.scoring import episode_of, turn_logprobs
 from hisr_core.sft import train_sft
 from hisr_core.training import resolve_dtype
+from tasks.caching import cached_task
 from tasks.tracking import LossCurve
 
 
@@ -27,7 +27,8 @@ def _nll(logps: list[list[torch.Tensor]]) -> float:
     return float(-flat.double().mean())
 
 
-@task(name="fit-hindsight")
+@cached_task("fit-hindsight", inputs=["d_ct", "pi_ref"], outputs=["out_dir", "loss_csv"],
+             sections=["env", "model", "hindsight"], ignore=["run_id"])
 def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_csv: Path,
                   run_id: str | None) -> dict[str, Any]:
     """Train ``pi_hind`` from ``pi_ref`` on the training tasks of ``D_ct`` (one example per

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from prefect import task
 
 from hisr_core import contracts
 from hisr_core.config import Params
@@ -30,7 +29,8 @@ from hisr_core.ppo_loop import (
 from hisr_core.prompts import PromptBuilder
 from hisr_core.sft import encode_trajectories, train_sft
 from hisr_core.sprm import load_sprm
-from hisr_core.training import resolve_dtype
+from hisr_core.training import resolve_dtype, save_model_folder
+from tasks.caching import cached_task
 from tasks.files import write_csv
 from tasks.rollout import device
 from tasks.tracking import LossCurve
@@ -51,7 +51,14 @@ def sections(params: Params, variant: str) -> dict[str, Any]:
             "rollout": {"max_new_tokens": params.rollout.max_new_tokens,
                         "batch_size": params.rollout.batch_size},
             "sft": params.sft.model_dump() if variant == "rft" else {},
-            "ppo": params.ppo.model_dump(exclude={"variants"})}
+            "ppo": params.ppo.model_dump()}
+
+
+def run_dirs(data: Path, variant: str, seed: int) -> tuple[Path, Path]:
+    """A run's output folder (a DVC out) and its checkpoint folder (outside DVC's outs, so
+    ``dvc repro`` does not delete it before resuming)."""
+    return (data / "ppo" / variant / f"seed{seed}",
+            data / "cache" / "ppo" / variant / f"seed{seed}")
 
 
 def fingerprint(params: Params, variant: str, inputs: list[Path]) -> str:
@@ -132,7 +139,9 @@ def _inputs(params: Params, variant: str, tokenizer: Any, tasks_path: Path, d_st
                   entropy_min_turns=params.segment.entropy_min_turns, **common)
 
 
-@task(name="ppo-train")
+@cached_task("ppo-train", inputs=["pi_ref", "pi_hind", "sprm", "tasks_path", "d_st", "rewards"],
+             outputs=["out_dir"], ignore=["extra", "run_id"],
+             sections=["env", "model", "segment", "hindsight", "rewards", "rollout", "sft", "ppo"])
 def train_ppo(params: Params, variant: str, pi_ref: Path, pi_hind: Path, sprm: Path,
               tasks_path: Path, d_st: Path, rewards: Path, out_dir: Path, checkpoint: Path,
               extra: dict[str, Any], run_id: str | None) -> dict[str, Any]:
@@ -175,15 +184,20 @@ def write_curve(run_id: str, path: Path) -> list[dict[str, float]]:
     return rows
 
 
-@task(name="rft-train")
+@cached_task("rft-train", inputs=["pi_ref", "d_ct"], outputs=["out_dir", "loss_csv"],
+             sections=["env", "model", "sft", "ppo"], ignore=["run_id"])
 def train_rft(params: Params, pi_ref: Path, d_ct: Path, out_dir: Path, loss_csv: Path,
               run_id: str | None) -> dict[str, Any]:
     """``rft``: behaviour cloning from ``pi_ref`` on its own successful rollouts of ``D_ct``
     (``sft`` settings, ``ppo.rft_epochs`` passes, ``ppo.seed``); saves ``out_dir/policy``."""
     rows = [r for r in contracts.read_rows(d_ct, "rollouts") if r["won"]]
-    if not rows:
-        raise ValueError(f"{d_ct} has no successful rollouts to fine-tune on")
     tokenizer = load_tokenizer(pi_ref)
+    if not rows:
+        # Nothing to fine-tune on: RFT leaves pi_ref as it is (and says so).
+        print(f"warning: {d_ct} has no successful rollouts; rft's policy is pi_ref unchanged")
+        save_model_folder(load_model(pi_ref), out_dir / "policy", tokenizer)
+        write_csv(loss_csv, [("step", "loss")])
+        return {"steps": 0, "trajectories": 0, "sequences": 0}
     builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
     sequences = encode_trajectories(rows, builder, environment_class(params.env.name)
                                     .command_grammar)

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from prefect import task
 
 from hisr_core import contracts
 from hisr_core.config import Params
@@ -23,6 +22,7 @@ from hisr_core.scoring import episode_of, turn_logprobs
 from hisr_core.segment import Segment
 from hisr_core.sprm import load_sprm, pearson, turn_rewards
 from hisr_core.training import resolve_dtype
+from tasks.caching import cached_task
 from tasks.files import save_figure, write_csv, write_text
 from tasks.sprm import encode_rows
 
@@ -35,7 +35,8 @@ def _sprm_turn_rewards(path: Path, rows: list[dict[str, Any]], builder: PromptBu
     return turn_rewards(model, trajectories, pad, params.rewards.max_batch_tokens)
 
 
-@task(name="score-rewards")
+@cached_task("score-rewards", inputs=["d_st", "pi_ref", "pi_hind", "sprm"], outputs=["out"],
+             sections=["env", "segment", "model", "hindsight", "rewards"])
 def score(params: Params, d_st: Path, pi_ref: Path, pi_hind: Path, sprm: Path,
           out: Path) -> list[dict[str, Any]]:
     """Score every trajectory of ``D_st`` (log-probs under ``pi_ref`` and ``pi_hind``, the

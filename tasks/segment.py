@@ -7,17 +7,18 @@ import collections
 from pathlib import Path
 from typing import Any
 
-from prefect import task
 from tqdm.auto import tqdm
 
 from hisr_core import contracts
 from hisr_core.config import Params
 from hisr_core.envs import environment_class
 from hisr_core.segment import Segment, segment_offline, validate
+from tasks.caching import cached_task
 from tasks.files import save_figure, write_csv
 
 
-@task(name="segment-trajectories")
+@cached_task("segment-trajectories", inputs=["d_ct"], outputs=["out"],
+             sections=["env", "segment"], retries=2)
 def segment(params: Params, d_ct: Path, out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Segment every trajectory of ``d_ct`` with ``segment.segmenter``; write ``out`` (D_st)
     once all are done. Returns the rows and the metrics."""

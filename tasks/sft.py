@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-
 from hisr_core import contracts
 from hisr_core.config import Params
 from hisr_core.envs import environment_class
@@ -14,6 +12,7 @@ from hisr_core.models import build_builtin, is_builtin, load_model, load_tokeniz
 from hisr_core.prompts import PromptBuilder, system_text
 from hisr_core.sft import encode_trajectories, train_sft
 from hisr_core.training import resolve_dtype
+from tasks.caching import cached_task
 from tasks.tracking import LossCurve
 
 
@@ -29,7 +28,8 @@ def corpus(d_bc_path: Path, env_name: str) -> list[str]:
     return texts
 
 
-@task(name="prepare-base-model")
+@cached_task("prepare-base-model", inputs=["d_bc_path"], outputs=["work_dir"],
+             sections=["env", "model", "sft"])
 def prepare_base(params: Params, d_bc_path: Path, work_dir: Path) -> str:
     """The model SFT starts from: a fresh builtin model (tokenizer trained on ``D_bc``), or the
     configured Hugging Face model as it is."""
@@ -40,7 +40,8 @@ def prepare_base(params: Params, d_bc_path: Path, work_dir: Path) -> str:
     return str(out)
 
 
-@task(name="train-sft")
+@cached_task("train-sft", inputs=["base", "d_bc_path"], outputs=["out_dir", "loss_csv"],
+             sections=["env", "model", "sft"], ignore=["run_id"])
 def train(params: Params, base: str, d_bc_path: Path, out_dir: Path, loss_csv: Path | None,
           run_id: str | None) -> dict[str, Any]:
     """Behaviour cloning (NLL of response tokens only) of ``D_bc``; saves ``pi_ref``."""

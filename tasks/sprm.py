@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-
 from hisr_core import contracts
 from hisr_core.config import Params
 from hisr_core.envs import environment_class
@@ -17,6 +15,7 @@ from hisr_core.scoring import episode_of
 from hisr_core.segment import Segment, by_turn
 from hisr_core.sprm import Trajectory, encode_trajectory, evaluate, train_sprm
 from hisr_core.training import resolve_dtype
+from tasks.caching import cached_task
 from tasks.tracking import LossCurve
 
 
@@ -35,7 +34,8 @@ def encode_rows(rows: list[dict[str, Any]], builder: PromptBuilder, env_name: st
                               r["outcome"]) for r in rows]
 
 
-@task(name="fit-sprm")
+@cached_task("fit-sprm", inputs=["d_st", "pi_ref"], outputs=["out_dir", "loss_csv"],
+             sections=["env", "segment", "model", "sprm"], ignore=["run_id"])
 def fit_sprm(params: Params, d_st: Path, pi_ref: Path, out_dir: Path, loss_csv: Path,
              run_id: str | None, turn_level: bool = False) -> dict[str, Any]:
     """Train an SPRM from ``pi_ref`` on the training tasks of ``D_st`` (its segments, or turn

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +38,17 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-@contextlib.contextmanager
-def stage_run(params: Params, stage: str, sections: Mapping[str, Any],
-              tags: Mapping[str, str] | None = None, resume: str | None = None) -> Iterator[Any]:
-    """An MLflow run named ``stage`` with ``sections`` logged as params (and ``tags``), or the
-    existing run ``resume`` continued (a stage restarted from its checkpoint).
+#: Tag of the parent run that every stage run of one pipeline run nests under.
+PIPELINE_TAG = "hisr.pipeline"
 
-    The experiment's artifacts live beside a local tracking database (``.../artifacts``).
-    A pipeline run sets ``HISR_PARENT_RUN_ID`` so every stage nests under it.
-    """
+
+def use_experiment(params: Params) -> str:
+    """Point MLflow at ``MLFLOW_TRACKING_URI`` if set, else ``tracking.mlflow_uri``, and at
+    ``tracking.experiment`` (created on first use, its artifacts beside a local tracking
+    database); returns the experiment id."""
     import mlflow
 
-    uri = _resolve_uri(params.tracking.mlflow_uri)
+    uri = _resolve_uri(os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.mlflow_uri)
     mlflow.set_tracking_uri(uri)
     experiment = mlflow.get_experiment_by_name(params.tracking.experiment)
     if experiment is None:
@@ -56,18 +56,69 @@ def stage_run(params: Params, stage: str, sections: Mapping[str, Any],
         if uri.startswith("sqlite:///"):
             artifacts = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").as_uri()
         mlflow.create_experiment(params.tracking.experiment, artifact_location=artifacts)
-    mlflow.set_experiment(params.tracking.experiment)
+    return mlflow.set_experiment(params.tracking.experiment).experiment_id
+
+
+def pipeline_run_id(params: Params, create: bool = True) -> str | None:
+    """The parent run of the pipeline run in progress: ``HISR_PARENT_RUN_ID`` when set (the
+    ``pipeline`` flow sets it), else the newest unfinished run tagged ``hisr.pipeline`` (so
+    every stage of one ``dvc repro`` nests under one parent, and a ``dvc repro`` after a crash
+    continues it), else a new one when ``create``. The ``report`` stage finishes it."""
+    import mlflow
+
+    if parent := os.environ.get("HISR_PARENT_RUN_ID"):
+        return parent
+    experiment_id = use_experiment(params)
+    client = mlflow.MlflowClient()
+    open_runs = client.search_runs(
+        [experiment_id], f"tags.`{PIPELINE_TAG}` = 'true' and attributes.status = 'RUNNING'",
+        order_by=["attributes.start_time DESC"], max_results=1)
+    if open_runs:
+        return open_runs[0].info.run_id
+    if not create:
+        return None
+    run = client.create_run(experiment_id, tags={PIPELINE_TAG: "true"},
+                            run_name=f"pipeline {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    client.log_dict(run.info.run_id, params.model_dump(mode="json"), "params.json")
+    return run.info.run_id
+
+
+def finish_pipeline_run(params: Params, status: str = "FINISHED") -> str | None:
+    """End the parent run (see :func:`pipeline_run_id`), if one is open; returns its id."""
+    import mlflow
+
+    run_id = pipeline_run_id(params, create=False)
+    if run_id is not None:
+        mlflow.MlflowClient().set_terminated(run_id, status)
+    return run_id
+
+
+@contextlib.contextmanager
+def stage_run(params: Params, stage: str, sections: Mapping[str, Any],
+              tags: Mapping[str, str] | None = None, resume: str | None = None,
+              reads: Sequence[Path] = (), writes: Sequence[Path] = ()) -> Iterator[Any]:
+    """An MLflow run named ``stage``, a child of the pipeline's parent run, with ``sections``
+    logged as params (and ``tags``), or the existing run ``resume`` continued (a stage
+    restarted from its checkpoint). At the end, one line says what the stage read and wrote
+    and how long it took (also logged as ``time/stage_s``)."""
+    import mlflow
+
+    use_experiment(params)
+    start = time.perf_counter()
     if resume is not None:
-        with mlflow.start_run(run_id=resume) as run:
-            yield run
-        return
-    parent = os.environ.get("HISR_PARENT_RUN_ID")
-    all_tags = {"hisr.stage": stage, **({"mlflow.parentRunId": parent} if parent else {}),
-                **(tags or {})}
-    with mlflow.start_run(run_name=stage, tags=all_tags) as run:
-        mlflow.log_params({k: json.dumps(v) if not isinstance(v, str) else v
-                           for k, v in flatten(sections).items()})
+        run_cm = mlflow.start_run(run_id=resume)
+    else:
+        run_cm = mlflow.start_run(run_name=stage, tags={
+            "hisr.stage": stage, "mlflow.parentRunId": pipeline_run_id(params), **(tags or {})})
+    with run_cm as run:
+        if resume is None:
+            mlflow.log_params({k: json.dumps(v) if not isinstance(v, str) else v
+                               for k, v in flatten(sections).items()})
         yield run
+        seconds = time.perf_counter() - start
+        mlflow.log_metric("time/stage_s", seconds)
+    print(f"stage {stage}: read {', '.join(map(str, reads)) or '-'}; "
+          f"wrote {', '.join(map(str, writes)) or '-'}; {seconds:.1f} s")
 
 
 def log_metrics(metrics: Mapping[str, Any], path: str | Path | None = None) -> None:

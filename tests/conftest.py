@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tasks.runtime import configure_offline
+
+configure_offline()  # this process too: Prefect and MLflow clients here tell no one
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -45,6 +49,16 @@ def wait_for_http(url: str, proc: subprocess.Popen, timeout: float, log: Path,
         time.sleep(0.5)
 
 
+def stop(proc: subprocess.Popen, grace: float = 30) -> None:
+    """Stop a server this test session started: SIGTERM, then SIGKILL after ``grace`` s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory):
     """A real ``prefect server`` on 127.0.0.1 for the session (flows then start in seconds
@@ -63,11 +77,7 @@ def prefect_api(tmp_path_factory):
         wait_for_http(f"{url}/health", server, 180, home / "server.log", "prefect server")
         yield {"PREFECT_HOME": str(home), "PREFECT_API_URL": url}
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server)
         log.close()
 
 

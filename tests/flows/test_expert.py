@@ -29,7 +29,8 @@ def test_expert_flow_writes_contracted_outputs_and_mlflow_run(run_module, write_
     import mlflow
 
     mlflow.set_tracking_uri(mlflow_uri)
-    runs = mlflow.search_runs(experiment_names=[experiment], output_format="list")
+    runs = mlflow.search_runs(experiment_names=[experiment], output_format="list",
+                              filter_string="tags.`hisr.stage` = 'expert'")
     assert [r.info.run_name for r in runs] == ["expert"]
     assert runs[0].data.metrics["expert/train/success_rate"] == 1.0
     assert runs[0].data.params["expert.n_train"] == "24"

@@ -114,7 +114,7 @@ def _ppo_overrides() -> dict:
     return {**_overrides(),
             "env": {"name": "household", "max_turns": 6},
             "rollout": {"max_new_tokens": 24, "batch_size": 8},
-            "ppo": {"variants": ["hisr", "rft"], "iterations": 2, "tasks_per_iter": 2,
+            "ppo": {"iterations": 2, "tasks_per_iter": 2,
                     "samples_per_task": 2, "ppo_epochs": 1, "minibatches": 1,
                     "micro_batch_size": 2, "backend": "torch", "checkpoint_every": 1,
                     "rft_epochs": 1.0},
@@ -137,11 +137,11 @@ def test_ppo_stage_trains_resumes_and_logs(staged, run_module, write_params, mlf
         return run_module("flows.ppo", "--variant", variant, "--params", str(params),
                           "--data", str(data))
 
-    bad = ppo("no_agr")
-    assert bad.returncode == 2 and "not in ppo.variants" in bad.stderr
+    bad = ppo("hisr_v2")
+    assert bad.returncode == 2 and "invalid choice: 'hisr_v2'" in bad.stderr
     first = ppo("hisr")
     assert first.returncode == 0, first.stderr[-3000:]
-    out = data / "ppo" / "hisr"
+    out = data / "ppo" / "hisr" / "seed0"
     assert (out / "models" / "policy" / "config.json").is_file()
     assert (out / "models" / "critic" / "value_head.safetensors").is_file()
     curve = (out / "curve.csv").read_text().splitlines()
@@ -149,7 +149,7 @@ def test_ppo_stage_trains_resumes_and_logs(staged, run_module, write_params, mlf
     assert [line.split(",")[0] for line in curve[1:]] == ["1", "2"]
     metrics = json.loads((out / "metrics.json").read_text())["ppo"]
     assert metrics["iterations"] == 2 and metrics["resumed_from"] == 0
-    assert read_checkpoint_meta(data / "cache" / "ppo" / "hisr")["iteration"] == 2
+    assert read_checkpoint_meta(data / "cache" / "ppo" / "hisr" / "seed0")["iteration"] == 2
 
     again = ppo("hisr")
     assert again.returncode == 0, again.stderr[-3000:]
@@ -158,14 +158,15 @@ def test_ppo_stage_trains_resumes_and_logs(staged, run_module, write_params, mlf
 
     rft = ppo("rft")
     assert rft.returncode == 0, rft.stderr[-3000:]
-    assert (data / "ppo" / "rft" / "models" / "policy" / "config.json").is_file()
+    assert (data / "ppo" / "rft" / "seed0" / "models" / "policy" / "config.json").is_file()
 
     import mlflow
 
     mlflow.set_tracking_uri(mlflow_uri)
     runs = mlflow.search_runs(experiment_names=[experiment], output_format="list")
-    hisr = [r for r in runs if r.info.run_name == "ppo/hisr"]
+    hisr = [r for r in runs if r.info.run_name == "ppo/hisr/seed0"]
     assert len(hisr) == 1 and hisr[0].data.tags["variant"] == "hisr"
+    assert hisr[0].data.tags["seed"] == "0"
     history = mlflow.MlflowClient().get_metric_history(hisr[0].info.run_id, "rollout/success")
     assert sorted(m.step for m in history) == [1, 2]
-    assert any(r.info.run_name == "ppo/rft" for r in runs)
+    assert any(r.info.run_name == "ppo/rft/seed0" for r in runs)

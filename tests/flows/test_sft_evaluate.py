@@ -72,7 +72,11 @@ def _run_sft_and_evaluate(run_module, tmp_path, expert_data, model, mlflow_uri, 
     mlflow.set_tracking_uri(mlflow_uri)
     runs = {r.info.run_name: r for r in
             mlflow.search_runs(experiment_names=[experiment], output_format="list")}
-    assert set(runs) == {"sft", "evaluate/sft"}
+    parents = [r for r in runs.values() if r.data.tags.get("hisr.pipeline") == "true"]
+    assert len(parents) == 1, "both stages nest under one open pipeline run"
+    assert set(runs) == {"sft", "evaluate/sft", parents[0].info.run_name}
+    assert {runs[s].data.tags["mlflow.parentRunId"] for s in ("sft", "evaluate/sft")} == {
+        parents[0].info.run_id}
     client = mlflow.MlflowClient()
     history = client.get_metric_history(runs["sft"].info.run_id, "losses/sft")
     assert [m.step for m in history] == [1, 2, 3]

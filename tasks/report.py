@@ -1,0 +1,194 @@
+"""Tasks of the ``report`` stage: read every evaluation, learning curve and analysis of the
+pipeline and write one Markdown and one HTML report (the paper's Table 1, the curves, Fig. 3
+and 4, the case tables)."""
+
+from __future__ import annotations
+
+import csv
+import html
+import json
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+
+from hisr_core.config import Params
+from hisr_core.report import Cell, markdown_table, mean_curve, ordered, success_table
+from tasks.evaluate import task_types
+from tasks.files import save_figure, write_csv, write_text
+
+#: Curve columns plotted (``curve.csv`` of a PPO run), with their axis labels.
+CURVES = {"rollout_success": "rollout success", "rewards_fused_mean": "fused reward / episode",
+          "policy_kl": "KL to pi_ref / token"}
+
+
+@dataclass
+class Inputs:
+    """What the report found: evaluations per policy (one per seed), PPO curves per variant,
+    and the runs of the sweep that are missing."""
+
+    evaluations: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    curves: dict[str, list[list[dict[str, float]]]] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+
+
+def _read_curve(path: Path) -> list[dict[str, float]]:
+    with path.open(newline="") as f:
+        return [{k: float(v) for k, v in row.items() if v not in ("", None)}
+                for row in csv.DictReader(f)]
+
+
+def gather(params: Params, data: Path) -> Inputs:
+    """Every evaluation and curve of ``sft`` and the sweep (``sweep.variants`` x
+    ``sweep.seeds``); fails, naming the stage to run, when there is no evaluation at all."""
+    found = Inputs()
+    runs = [("sft", None)] + [(v, s) for v in params.sweep.variants for s in params.sweep.seeds]
+    for policy, seed in runs:
+        name = policy if seed is None else f"{policy}/seed{seed}"
+        metrics = data / "eval" / name / "metrics.json"
+        if metrics.is_file():
+            found.evaluations.setdefault(policy, []).append(json.loads(metrics.read_text())["eval"])
+        else:
+            found.missing.append(f"evaluate {name}")
+        curve = data / "ppo" / policy / f"seed{seed}" / "curve.csv"
+        if seed is not None and curve.is_file():
+            rows = _read_curve(curve)
+            if rows and "rollout_success" in rows[0]:  # rft's curve is a loss curve
+                found.curves.setdefault(policy, []).append(rows)
+    if not found.evaluations:
+        raise FileNotFoundError(f"no evaluation under {data / 'eval'}; run the evaluate stages "
+                                "first (dvc repro evaluate_sft, dvc repro evaluate)")
+    return found
+
+
+def plot_curves(curves: dict[str, list[list[dict[str, float]]]], path: Path) -> None:
+    """One panel per ``CURVES`` column, one line per variant (mean over seeds); an empty
+    figure saying so when no PPO run has a curve (``rft`` only)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES), 3.6))
+    for ax, (key, label) in zip(axes, CURVES.items(), strict=True):
+        for variant in ordered(list(curves)):
+            points = mean_curve(curves[variant], key)
+            if points:
+                n = len(curves[variant])
+                ax.plot(*zip(*points, strict=True), marker="o", markersize=3,
+                        label=variant + (f" ({n} seeds)" if n > 1 else ""))
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    if curves:
+        axes[0].legend(fontsize=8)
+    else:
+        axes[0].text(0.5, 0.5, "no PPO curves", ha="center", transform=axes[0].transAxes)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def _html_table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+                   for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _body(page: str) -> str:
+    """The inside of an HTML page's ``<body>`` (its first heading dropped)."""
+    match = re.search(r"<body>(.*)</body>", page, re.DOTALL)
+    inner = match.group(1) if match else page
+    return re.sub(r"^\s*<h1>.*?</h1>", "", inner, count=1, flags=re.DOTALL)
+
+
+@task(name="write-report")
+def write_report(params: Params, data: Path, out: Path) -> dict[str, Any]:
+    """Write ``out/report.md``, ``out/report.html``, ``out/table.csv`` and the figures they
+    show; return the Avg success per policy and split (for MLflow and DVC metrics)."""
+    found = gather(params, data)
+    types = task_types(params.env.name)
+    columns = [*types, "Avg"]
+    tables = {s: success_table(found.evaluations, s, types) for s in params.evaluate.splits}
+    intro = (f"Environment `{params.env.name}`, model `{params.model.name_or_path}`; PPO runs: "
+             f"variants {', '.join(params.sweep.variants)} x seeds "
+             f"{', '.join(map(str, params.sweep.seeds))}. Success rate in % (greedy episodes, "
+             f"first {params.evaluate.n_tasks or 'all'} tasks of each split); mean ± sample std "
+             "over seeds where there are several.")
+    md = ["# HISR report", "", intro, ""]
+    page = [f"<h1>HISR report</h1><p>{html.escape(intro)}</p>"]
+    if found.missing:
+        note = "Not found (not run yet): " + ", ".join(found.missing) + "."
+        md += [note, ""]
+        page.append(f"<p><b>{html.escape(note)}</b></p>")
+    csv_rows: list[list[Any]] = [["split", "policy", "column", "mean", "std", "seeds"]]
+    summary: dict[str, Any] = {}
+    for split, table in tables.items():
+        md += [f"## Success rate, {split}", "", markdown_table(table, columns), ""]
+        page.append(f"<h2>Success rate, {html.escape(split)}</h2>" + _html_table(
+            ["policy", *columns, "seeds"],
+            [[p, *(row[c].percent() if c in row else "-" for c in columns), str(row["Avg"].n)]
+             for p, row in table.items()]))
+        for policy, row in table.items():
+            csv_rows += [[split, policy, c, cl.mean, "" if cl.std is None else cl.std, cl.n]
+                         for c, cl in row.items()]
+            summary.setdefault(policy, {})[split] = _as_dict(row["Avg"])
+    write_csv(out / "table.csv", csv_rows)
+    plot_curves(found.curves, out / "curves.png")
+    if found.curves:
+        md += ["## Learning curves", "", "Per PPO iteration, mean over seeds.", "",
+               "![learning curves](curves.png)", ""]
+        page.append("<h2>Learning curves</h2><p>Per PPO iteration, mean over seeds.</p>"
+                    "<img src='curves.png' alt='learning curves'>")
+    md_a, page_a = _analyses(data, out)
+    md += md_a
+    page += page_a
+    write_text(out / "report.md", "\n".join(md) + "\n")
+    write_text(out / "report.html", "<!doctype html><html><head><meta charset='utf-8'><title>"
+               "HISR report</title><style>body{font-family:sans-serif;max-width:72em;"
+               "margin:auto}table{border-collapse:collapse;margin:0.5em 0}td,th{border:1px "
+               "solid #ccc;padding:2px 6px;font-size:90%}img{max-width:100%}</style></head>"
+               "<body>" + "\n".join(page) + "</body></html>\n")
+    return {"avg_success": summary, "missing": len(found.missing)}
+
+
+def _as_dict(c: Cell) -> dict[str, float]:
+    return {"mean": c.mean, **({"std": c.std} if c.std is not None else {}), "seeds": c.n}
+
+
+def _analyses(data: Path, out: Path) -> tuple[list[str], list[str]]:
+    """The segment and reward analyses (Fig. 3, Fig. 4 and its table, the case tables),
+    where their stages have written them; the figures are copied beside the report."""
+    md: list[str] = []
+    page: list[str] = []
+    figures = [("segment/segment_lengths.png", "Turns per segment, by outcome (Fig. 3)"),
+               ("rewards/position_share.png",
+                "Share of reward by segment position, before and after modulation (Fig. 4)")]
+    for rel, title in figures:
+        src = data / rel
+        if src.is_file():
+            shutil.copyfile(src, out / src.name)
+            md += [f"## {title}", "", f"![{title}]({src.name})", ""]
+            page.append(f"<h2>{html.escape(title)}</h2><img src='{src.name}' "
+                        f"alt='{html.escape(title)}'>")
+    share = data / "rewards" / "position_share.csv"
+    if share.is_file():
+        with share.open(newline="") as f:
+            rows = list(csv.reader(f))
+        fmt = [[r[0], *(f"{float(v):.3f}" for v in r[1:])] for r in rows[1:]]
+        md += ["| " + " | ".join(rows[0]) + " |", "|---" * len(rows[0]) + "|",
+               *("| " + " | ".join(r) + " |" for r in fmt), ""]
+        page.append(_html_table(rows[0], fmt))
+    cases_md, cases_html = data / "rewards" / "cases.md", data / "rewards" / "cases.html"
+    if cases_md.is_file():
+        text = cases_md.read_text(encoding="utf-8")
+        # The case tables' own headings move one level down, under the report's.
+        md += ["## Reward case tables (Table 2)", "",
+               re.sub(r"^(#+) ", r"#\1 ", re.sub(r"^# .*\n", "", text, count=1), flags=re.MULTILINE)]
+    if cases_html.is_file():
+        page.append("<h2>Reward case tables (Table 2)</h2>"
+                    + _body(cases_html.read_text(encoding="utf-8")))
+    return md, page

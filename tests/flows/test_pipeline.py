@@ -1,0 +1,161 @@
+"""The whole pipeline under ``dvc repro`` in a temporary copy of the repository, on a tiny
+configuration (builtin:tiny, a few tasks, two variants), against the session's real Prefect
+server and a real MLflow SQLite store: every stage is a completed flow run and a child MLflow
+run with metrics, the report is written, a ``dvc repro`` killed during PPO resumes from the
+PPO checkpoint without rerunning a finished stage, a second ``dvc repro`` runs nothing, and a
+changed PPO param reruns only the PPO stages and what follows them; ``dvc exp run -S
+'sweep.seeds=[0,1]'`` adds the second seed's runs and a report over both seeds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import _clean_env
+from tests.pipeline_copy import copy_repo, tiny_params
+
+pytestmark = pytest.mark.slow
+
+VARIANTS = ["hisr", "ppo"]
+STAGES = {"expert", "sft", "evaluate_sft", "collect", "segment", "sprm", "hindsight", "rewards",
+          *(f"ppo@{v}-0" for v in VARIANTS), *(f"evaluate@{v}-0" for v in VARIANTS), "report"}
+FLOWS = {"expert", "sft", "evaluate", "collect", "segment", "sprm", "hindsight", "rewards", "ppo",
+         "report"}
+
+
+@pytest.fixture
+def repo(tmp_path, prefect_api) -> tuple[Path, dict[str, str]]:
+    """A copy of the repository with tiny params, and the environment its commands run in."""
+    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = copy_repo(tmp_path / "repo", tiny_params(mlflow_uri, VARIANTS, "pipeline-e2e"),
+                    {**_clean_env(), **prefect_api})
+    return tmp_path / "repo", {**env, "MLFLOW_URI": mlflow_uri}
+
+
+def _dvc(repo: Path, env: dict[str, str], *args: str, timeout: float = 600) -> str:
+    proc = subprocess.run(["dvc", *args], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout + proc.stderr
+
+
+def _ran(output: str) -> set[str]:
+    """Stages a ``dvc repro`` output says it ran."""
+    return {line.split("'")[1] for line in output.splitlines()
+            if line.startswith("Running stage '")}
+
+
+def _kill_during_ppo(repo: Path, env: dict[str, str]) -> str:
+    """Start ``dvc repro``; once PPO has checkpointed its first iteration, kill the whole
+    process group (DVC and the stage) with SIGKILL. Returns what DVC printed."""
+    log = repo.parent / "repro-killed.log"
+    meta = repo / "data" / "cache" / "ppo" / VARIANTS[0] / "seed0" / "meta.json"
+    with log.open("w") as out:
+        proc = subprocess.Popen(["dvc", "repro"], cwd=repo, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while not meta.is_file():
+            assert proc.poll() is None, "dvc repro ended before PPO checkpointed:\n" + \
+                log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "no PPO checkpoint within 10 minutes"
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    return log.read_text()
+
+
+_READ_RUNS = """
+import asyncio, json, sys
+from datetime import datetime
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStartTime
+
+async def read():
+    async with get_client() as client:
+        runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            start_time=FlowRunFilterStartTime(after_=datetime.fromisoformat(sys.argv[1]))))
+        flows = {f.id: f.name for f in await client.read_flows()}
+        return [(flows[r.flow_id], r.state_type.value) for r in runs]
+
+print(json.dumps(asyncio.run(read())))
+"""
+
+
+def _flow_runs_since(env: dict[str, str], since: datetime) -> list[tuple[str, str]]:
+    """(flow name, state) of every flow run started on the server since ``since``, read in a
+    process of its own pointed at the server."""
+    proc = subprocess.run([sys.executable, "-c", _READ_RUNS, since.isoformat()], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [tuple(r) for r in json.loads(proc.stdout.splitlines()[-1])]
+
+
+def test_dvc_repro_end_to_end(repo):
+    copy, env = repo
+    since = datetime.now(UTC)
+    killed = _kill_during_ppo(copy, env)
+    before_kill = _ran(killed)
+    assert {"expert", "sft", "collect", "rewards", f"ppo@{VARIANTS[0]}-0"} <= before_kill
+
+    resumed = _dvc(copy, env, "repro")
+    ran = _ran(resumed)
+    finished = before_kill - {f"ppo@{VARIANTS[0]}-0"}
+    assert not ran & finished, f"finished stages reran: {ran & finished}"
+    assert ran | finished == STAGES
+    assert "resumed after" in resumed, resumed[-3000:]
+
+    report = (copy / "data" / "report" / "report.md").read_text()
+    assert "## Success rate, valid_seen" in report
+    assert all(f"| {p} |" in report for p in ["sft", *VARIANTS])
+    assert (copy / "data" / "report" / "report.html").read_text().startswith("<!doctype html>")
+    assert (copy / "data" / "report" / "curves.png").stat().st_size > 1000
+
+    # Every stage a completed flow run on the Prefect server.
+    runs = _flow_runs_since(env, since)
+    completed = {name for name, state in runs if state == "COMPLETED"}
+    assert FLOWS <= completed, f"no completed flow run for {FLOWS - completed}"
+
+    # Every stage a child MLflow run with metrics, under one pipeline parent run.
+    import mlflow
+
+    mlflow.set_tracking_uri(env["MLFLOW_URI"])
+    mruns = mlflow.search_runs(experiment_names=["pipeline-e2e"], output_format="list")
+    parents = [r for r in mruns if r.data.tags.get("hisr.pipeline") == "true"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    children = {r.info.run_name: r for r in mruns if r not in parents}
+    expected = {"expert", "sft", "evaluate/sft", "collect", "segment", "sprm", "hindsight",
+                "rewards", *(f"ppo/{v}/seed0" for v in VARIANTS),
+                *(f"evaluate/{v}/seed0" for v in VARIANTS), "report"}
+    assert set(children) == expected
+    for name, run in children.items():
+        assert run.data.tags["mlflow.parentRunId"] == parents[0].info.run_id, name
+        assert run.data.metrics, f"{name} logged no metrics"
+    assert children["evaluate/hisr/seed0"].data.tags["variant"] == "hisr"
+
+    # Nothing to do the second time; a PPO param reruns the PPO runs and what follows only.
+    assert _ran(_dvc(copy, env, "repro")) == set()
+    params = yaml.safe_load((copy / "params.yaml").read_text())
+    params["ppo"]["lr"] = 2 * params["ppo"]["lr"]
+    (copy / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    rerun = _ran(_dvc(copy, env, "repro"))
+    # DVC reruns a later stage only if its inputs changed: a policy trained to the same bytes
+    # leaves its evaluation, and the report, as they are.
+    assert {f"ppo@{v}-0" for v in VARIANTS} <= rerun <= {
+        *(f"ppo@{v}-0" for v in VARIANTS), *(f"evaluate@{v}-0" for v in VARIANTS), "report"}
+
+    # The README's seed sweep: a second seed adds its runs and reruns nothing else.
+    swept = _dvc(copy, env, "exp", "run", "-S", "sweep.seeds=[0,1]")
+    assert _ran(swept) == {*(f"ppo@{v}-1" for v in VARIANTS),
+                           *(f"evaluate@{v}-1" for v in VARIANTS), "report"}
+    report = (copy / "data" / "report" / "report.md").read_text()
+    assert all(f"| {v} |" in report and report.split(f"| {v} |")[1].split("\n")[0]
+               .rstrip().endswith("| 2 |") for v in VARIANTS), report
