@@ -1,5 +1,5 @@
 """Wall time of a ``dvc repro`` that has nothing to do, on the default stage graph (every
-variant of ``sweep.variants``: 27 stages). Prints one JSON object (and writes it with
+variant of ``sweep.variants``: 25 stages). Prints one JSON object (and writes it with
 ``--out``).
 
     python benchmarks/noop_repro.py [--repo DIR] [--repeats 3]
