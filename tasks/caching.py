@@ -48,16 +48,25 @@ def cache_dir() -> Path:
     return Path(os.environ.get(_CACHE_ENV) or Path("data/cache/prefect").resolve())
 
 
+#: File hashes already computed in this process, by (path, inode, size, modification time), as
+#: DVC's state does: a call's key is needed before and after it runs; a model is read once.
+_FILE_HASHES: dict[tuple[str, int, int, int], str] = {}
+
+
 def content_hash(path: Path) -> str:
     """SHA-256 of a file's bytes, or of a folder's (relative name, file hash) pairs;
     ``"missing"`` if there is nothing at ``path``."""
     path = Path(path)
     if path.is_file():
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        return digest.hexdigest()
+        stat = path.stat()
+        known = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if known not in _FILE_HASHES:
+            digest = hashlib.sha256()
+            with path.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            _FILE_HASHES[known] = digest.hexdigest()
+        return _FILE_HASHES[known]
     if path.is_dir():
         parts = [(p.relative_to(path).as_posix(), content_hash(p))
                  for p in sorted(path.rglob("*")) if p.is_file()]
