@@ -259,15 +259,10 @@ def read_program(scene: str, program: str) -> Program:
     return Program(program, text[0].strip(), text[1].strip(), lines)
 
 
-@functools.cache
-def _graphs(scene: str, program: str) -> str:
-    # The raw text, cached: every reset builds fresh simulator objects from it.
-    return graph_path(scene, program).read_text(encoding="utf-8")
-
-
 def load_graphs(scene: str, program: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(initial graph, final graph) of a program as dicts."""
-    data = json.loads(_graphs(scene, program))
+    """(initial graph, final graph) of a program as dicts (read each time: the 518 files
+    take 370 MB, too much to keep)."""
+    data = json.loads(graph_path(scene, program).read_text(encoding="utf-8"))
     return data["init_graph"], data["final_graph"]
 
 

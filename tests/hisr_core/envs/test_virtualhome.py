@@ -292,3 +292,17 @@ def test_task_types_cover_every_activity_in_report_order():
     _sim()
     counts = collections.Counter(t.task_type for s in SPLITS for t in _tasks(s))
     assert set(counts) == set(vh.TASK_TYPES)
+
+
+def test_rule_segmenter_cuts_after_state_changes():
+    _sim()
+    from hisr_core.segment import by_rule, validate
+
+    verbs = environment_class("virtualhome").state_changing_verbs
+    actions = [t.action for t in _env().expert_play(_task("1004_2")).turns]
+    segments = by_rule(actions, verbs)
+    validate(segments, len(actions))
+    for s in segments[:-1]:  # every segment but the last ends with a state change
+        assert actions[s.last].split()[0] in verbs
+        assert not any(a.split()[0] in verbs for a in actions[s.first:s.last])
+    assert 1 < len(segments) < len(actions)
