@@ -690,7 +690,12 @@ class VirtualHomeEnv(Environment):
         if not isinstance(show, bool):
             raise TypeError(f"show_admissible must be a bool, got {show!r}")
         self.show_admissible: bool = show
-        _package()  # fail now, with the install hint, rather than at the first task
+        # Fail now, with the install hint, rather than at the first task; a ValueError, so
+        # that a stage's params check reports it like any other bad setting (exit status 2).
+        try:
+            _package()
+        except ImportError as err:
+            raise ValueError(str(err)) from None
 
     def make_tasks(self, split: str, n: int, seed: int) -> list[Task]:
         self.check_split(split)

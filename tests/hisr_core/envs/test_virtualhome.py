@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import sys
 
 import pytest
 
@@ -101,6 +102,12 @@ def test_program_lines_and_names():
                                     2: "bedroom"}
     assert vh.task_type_of("Put groceries in Fridge") == "PUT_GROCERIES_IN_FRIDGE"
     assert len(set(vh.TASK_TYPES)) == len(vh.ACTIVITIES) == 26
+
+
+def test_a_missing_package_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "virtualhome_eval", None)  # import now fails
+    with pytest.raises(ValueError, match=r"virtualhome extra \(EXTRAS=virtualhome make install"):
+        make_environment("virtualhome", max_turns=5)
 
 
 def test_registered_with_a_grammar_and_verbs():
