@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install the project with the exact torch build first, so that nothing
-# later pulls a different (multi-GB CUDA) torch. Extra pip extras: EXTRAS=gpu,alfworld.
+# later pulls a different (multi-GB CUDA) torch. Extra pip extras: EXTRAS=gpu,alfworld,
+# virtualhome (comma-separated).
 # TORCH_SPEC picks the build (default torch==2.13.0; PyPI's Linux wheel is the CUDA one);
 # TORCH_INDEX, if set, is the index to take it from (e.g. PyTorch's CPU-only index).
 set -euo pipefail

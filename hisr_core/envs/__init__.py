@@ -3,7 +3,10 @@
 Importing this package registers every built-in environment.
 """
 
-from hisr_core.envs import household  # noqa: F401  (registers "household")
+from hisr_core.envs import (
+    household,  # noqa: F401  (registers "household")
+    virtualhome,  # noqa: F401  (registers "virtualhome")
+)
 from hisr_core.envs.base import (
     NOTHING_HAPPENS,
     Environment,

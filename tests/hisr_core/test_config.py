@@ -13,6 +13,13 @@ def test_project_params_file_is_valid():
     assert isinstance(p, Params)
 
 
+def test_virtualhome_profile_is_valid_and_keeps_its_outputs_apart():
+    p = load_params("profiles/virtualhome.yaml")
+    assert p.env.name == "virtualhome" and p.expert.slip_rate == 0.0
+    assert p.tracking.mlflow_uri == "sqlite:///data/virtualhome/mlflow/mlflow.db"
+    assert p.segment.llm.cache_dir.startswith("data/virtualhome/")
+
+
 def test_unknown_key_names_it_and_suggests_nearest():
     with pytest.raises(ParamsError) as e:
         parse_params({"expert": {"n_trian": 5}})
