@@ -97,9 +97,10 @@ def experiment(request) -> str:
 def run_module(prefect_api):
     """Run ``python -m <module> <args>`` from the project root against the session's servers."""
 
-    def run(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    def run(module: str, *args: str, timeout: float = 900,
+            extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         env = _clean_env()
-        env.update(prefect_api, PYTHONPATH=str(ROOT))
+        env.update(prefect_api, PYTHONPATH=str(ROOT), **(extra_env or {}))
         return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=timeout, check=False)
 

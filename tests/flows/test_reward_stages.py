@@ -133,9 +133,9 @@ def test_ppo_stage_trains_resumes_and_logs(staged, run_module, write_params, mlf
                          data / "tasks" / "train.parquet", "tasks")
     params = write_params(_ppo_overrides())
 
-    def ppo(variant: str):
+    def ppo(variant: str, **extra_env: str):
         return run_module("flows.ppo", "--variant", variant, "--params", str(params),
-                          "--data", str(data))
+                          "--data", str(data), extra_env=extra_env)
 
     bad = ppo("hisr_v2")
     assert bad.returncode == 2 and "invalid choice: 'hisr_v2'" in bad.stderr
@@ -151,7 +151,13 @@ def test_ppo_stage_trains_resumes_and_logs(staged, run_module, write_params, mlf
     assert metrics["iterations"] == 2 and metrics["resumed_from"] == 0
     assert read_checkpoint_meta(data / "cache" / "ppo" / "hisr" / "seed0")["iteration"] == 2
 
-    again = ppo("hisr")
+    # The same command again: its finished task comes from Prefect's cache (nothing runs);
+    # with that cache bypassed, training resumes from the finished checkpoint instead.
+    cached = ppo("hisr")
+    assert cached.returncode == 0, cached.stderr[-3000:]
+    assert "Finished in state Cached" in cached.stdout + cached.stderr
+    assert json.loads((out / "metrics.json").read_text())["ppo"]["resumed_from"] == 0
+    again = ppo("hisr", PREFECT_TASKS_REFRESH_CACHE="true")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed after 2" in again.stdout + again.stderr
     assert json.loads((out / "metrics.json").read_text())["ppo"]["resumed_from"] == 2
