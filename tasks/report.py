@@ -105,6 +105,7 @@ def _body(page: str) -> str:
     return re.sub(r"^\s*<h1>.*?</h1>", "", inner, count=1, flags=re.DOTALL)
 
 
+# Not a cached task: it takes a second, and which files it reads is only known as it runs.
 @task(name="write-report")
 def write_report(params: Params, data: Path, out: Path) -> dict[str, Any]:
     """Write ``out/report.md``, ``out/report.html``, ``out/table.csv`` and the figures they
