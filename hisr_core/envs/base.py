@@ -133,6 +133,64 @@ class Episode(abc.ABC):
         return self.won or self.turns >= self.max_turns
 
 
+class GoalEpisode(Episode):
+    """An episode won when all its goal conditions hold, scored by the fraction that hold.
+
+    What every such environment does alike lives here: the turn count, the guards of
+    ``step``, the score, and the admissible commands appended to each observation under the
+    ``show_admissible`` option. A subclass sets ``task``, ``max_turns``, ``show_admissible``,
+    ``_turns = 0``, ``_won`` and ``_ready = True`` in ``reset``, and implements ``conditions``
+    and ``_act``.
+    """
+
+    show_admissible: bool = False
+    _turns: int = 0
+    _won: bool = False
+    _ready: bool = False
+
+    @abc.abstractmethod
+    def conditions(self) -> list[bool]:
+        """Which goal conditions hold now (a stable order)."""
+
+    @abc.abstractmethod
+    def _act(self, action: str) -> str | None:
+        """Carry out ``action``: its observation, or ``None`` when it is not admissible (and
+        nothing changed). Sets ``_won`` when the goal is reached."""
+
+    @property
+    def turns(self) -> int:
+        return self._turns
+
+    @property
+    def won(self) -> bool:
+        return self._won
+
+    @property
+    def score(self) -> float:
+        if self._won:
+            return 1.0
+        if not self._ready:
+            return 0.0
+        met = self.conditions()
+        return sum(met) / len(met)
+
+    def _decorate(self, obs: str) -> str:
+        if self.show_admissible:
+            return obs + "\nAdmissible actions: " + ", ".join(self.admissible_commands())
+        return obs
+
+    def step(self, action: str) -> StepResult:
+        if not self._ready:
+            raise RuntimeError("call reset() before step()")
+        if self.done:
+            raise RuntimeError("the episode is done; call reset() to play again")
+        self._turns += 1
+        obs = self._act(action)
+        return StepResult(observation=self._decorate(NOTHING_HAPPENS if obs is None else obs),
+                          admissible=obs is not None, done=self.done, won=self._won,
+                          score=self.score)
+
+
 class Environment(abc.ABC):
     """A benchmark: its task types, its splits, its command grammar, and episodes.
 

@@ -54,11 +54,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hisr_core.envs.base import (
-    NOTHING_HAPPENS,
     Environment,
-    Episode,
     ExpertEpisode,
-    StepResult,
+    GoalEpisode,
     Task,
     Turn,
     register,
@@ -437,7 +435,7 @@ class _Room:
         ] + [[(self.go_cmds[j], (_GO, j)) for j in range(n)]]
 
 
-class HouseholdEpisode(Episode):
+class HouseholdEpisode(GoalEpisode):
     """One play of a household task; see the module docstring for the rules."""
 
     def __init__(self, task: Task, max_turns: int, show_admissible: bool = False) -> None:
@@ -469,23 +467,6 @@ class HouseholdEpisode(Episode):
         return self._decorate(room.intro)
 
     @property
-    def turns(self) -> int:
-        return self._turns
-
-    @property
-    def won(self) -> bool:
-        return self._won
-
-    @property
-    def score(self) -> float:
-        if self._won:
-            return 1.0
-        if not self._ready:
-            return 0.0
-        conds = self._conditions()
-        return sum(conds) / len(conds)
-
-    @property
     def location(self) -> str | None:
         """The receptacle the agent stands at (None in the middle of the room)."""
         return None if self._loc < 0 else self._room.rnames[self._loc]
@@ -509,7 +490,7 @@ class HouseholdEpisode(Episode):
                         n += 1
         return n
 
-    def _conditions(self) -> list[bool]:
+    def conditions(self) -> list[bool]:
         room = self._room
         gt = room.goal_type
         held = self._holding >= 0 and room.is_goal_obj[self._holding]
@@ -527,7 +508,7 @@ class HouseholdEpisode(Episode):
         return [held, has_prop, self._in_target(True) >= 1]
 
     def _check_won(self) -> None:
-        conds = self._conditions()
+        conds = self.conditions()
         self._won = all(conds) if self._room.goal_type == "LOOK" else conds[-1]
 
     # ---- commands ----------------------------------------------------------------------
@@ -588,30 +569,9 @@ class HouseholdEpisode(Episode):
             return f"The {rname} is open. In it, you see {_see_list(names)}."
         return f"On the {rname}, you see {_see_list(names)}."
 
-    def _decorate(self, obs: str) -> str:
-        if self.show_admissible:
-            return obs + "\nAdmissible actions: " + ", ".join(self.admissible_commands())
-        return obs
-
-    def step(self, action: str) -> StepResult:
-        if not self._ready:
-            raise RuntimeError("call reset() before step()")
-        if self.done:
-            raise RuntimeError("the episode is done; call reset() to play again")
-        self._turns += 1
-        key = " ".join(action.lower().split())
-        op = self._commands().get(key)
-        if op is None:
-            obs = NOTHING_HAPPENS
-        else:
-            obs = self._apply(*op)
-        return StepResult(
-            observation=self._decorate(obs),
-            admissible=op is not None,
-            done=self.done,
-            won=self._won,
-            score=self.score,
-        )
+    def _act(self, action: str) -> str | None:
+        op = self._commands().get(" ".join(action.lower().split()))
+        return None if op is None else self._apply(*op)
 
     def _apply(self, code: int, arg: int) -> str:
         room = self._room

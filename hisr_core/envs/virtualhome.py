@@ -61,11 +61,9 @@ from pathlib import Path
 from typing import Any
 
 from hisr_core.envs.base import (
-    NOTHING_HAPPENS,
     Environment,
-    Episode,
     ExpertEpisode,
-    StepResult,
+    GoalEpisode,
     Task,
     Turn,
     register,
@@ -324,7 +322,7 @@ def _see(names: Sequence[str]) -> str:
     return ", ".join(names) if names else "nothing"
 
 
-class VirtualHomeEpisode(Episode):
+class VirtualHomeEpisode(GoalEpisode):
     """One play of a program's activity on the evolving-graph simulator (module notes)."""
 
     def __init__(self, task: Task, max_turns: int, show_admissible: bool = False) -> None:
@@ -373,23 +371,6 @@ class VirtualHomeEpisode(Episode):
         intro = (f"You are in the {self.names[room]}. You see {_see(self._furniture(room))}."
                  f"\n\nYour task is to: {self.task.instruction}")
         return self._decorate(intro)
-
-    @property
-    def turns(self) -> int:
-        return self._turns
-
-    @property
-    def won(self) -> bool:
-        return self._won
-
-    @property
-    def score(self) -> float:
-        if self._won:
-            return 1.0
-        if not self._ready:
-            return 0.0
-        met = self.conditions()
-        return sum(met) / len(met)
 
     def conditions(self) -> list[bool]:
         """Which goal conditions hold now (in the spec's order)."""
@@ -531,27 +512,15 @@ class VirtualHomeEpisode(Episode):
             self._adm = adm
         return list(self._adm)
 
-    def _decorate(self, obs: str) -> str:
-        if self.show_admissible:
-            return obs + "\nAdmissible actions: " + ", ".join(self.admissible_commands())
-        return obs
-
-    def step(self, action: str) -> StepResult:
-        if not self._ready:
-            raise RuntimeError("call reset() before step()")
-        if self.done:
-            raise RuntimeError("the episode is done; call reset() to play again")
-        self._turns += 1
+    def _act(self, action: str) -> str | None:
         parsed = self.parse(action)
         state = self._execute(*parsed) if parsed is not None else None
-        ok = state is not None
-        if ok:
-            self._state = state
-            self._adm = None
-            self._check_won()
-        obs = self._describe(*parsed) if ok and parsed is not None else NOTHING_HAPPENS
-        return StepResult(observation=self._decorate(obs), admissible=ok, done=self.done,
-                          won=self._won, score=self.score)
+        if state is None:
+            return None
+        self._state = state
+        self._adm = None
+        self._check_won()
+        return self._describe(*parsed)
 
     def _describe(self, cmd: Command, ids: Sequence[int]) -> str:
         text = "You " + cmd.template.format(
