@@ -221,7 +221,10 @@ class CachedTask:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         arguments = self._bind(args, kwargs)
         storage = cache_dir() / "results"  # a local folder (Prefect takes a Path as such)
-        result = self.task.with_options(result_storage=storage)(*args, **kwargs)
+        # Under torchrun or the deepspeed launcher the other ranks run ``.fn`` and meet rank
+        # 0 in collectives: rank 0 must run too, so the cache is written but not read.
+        refresh = {"refresh_cache": True} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}
+        result = self.task.with_options(result_storage=storage, **refresh)(*args, **kwargs)
         if not self._restore(self.key(arguments), arguments):
             # A cached result whose written files are gone (the cache folder was cleaned).
             result = self.task.with_options(result_storage=storage, refresh_cache=True)(

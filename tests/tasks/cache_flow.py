@@ -5,6 +5,7 @@ object with what each step observed."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -90,6 +91,10 @@ def main() -> None:
     step("input_changed")
     src.write_text("a")
     step("back_to_first")
+    os.environ["WORLD_SIZE"] = "2"  # under torchrun every rank runs: the cache is not read
+    step("several_ranks")
+    del os.environ["WORLD_SIZE"]
+    step("one_rank_again")
     shutil.rmtree(next((cache_dir() / "files").glob("double-*")).parent)
     step("snapshots_gone")
     seen["retry_server"] = retry("server")

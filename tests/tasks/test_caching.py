@@ -39,7 +39,8 @@ def test_cached_task_scenarios(run_module, tmp_path):
     calls = {k: v["calls"] for k, v in seen.items() if isinstance(v, dict)}
     assert calls == {"first": 1, "again": 1, "output_deleted": 1, "output_overwritten": 1,
                      "unread_section": 1, "read_section": 2, "input_changed": 3,
-                     "back_to_first": 3, "snapshots_gone": 4}
+                     "back_to_first": 3, "several_ranks": 4, "one_rank_again": 4,
+                     "snapshots_gone": 5}
     # Served from the cache, the outputs are what the cached call wrote.
     assert seen["output_deleted"]["out"] == "aa" and seen["output_overwritten"]["out"] == "aa"
     assert seen["input_changed"]["out"] == "bb" and seen["back_to_first"]["out"] == "aa"
