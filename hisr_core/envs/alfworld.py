@@ -29,8 +29,11 @@ Decisions (where the benchmark leaves room):
 * Score: 1.0 when won, else 0.0 (the games give no partial credit).
 * Splits: whatever folders exist under ``json_2.1.1`` among :data:`SPLITS`; the task seed
   only orders a split.
-* Expert: the recorded ``gt_traj.json`` actions (``train`` games only), with thoughts
-  generated from the task's PDDL parameters and the observations (:func:`play_expert`).
+* Expert: the recorded ``gt_traj.json`` actions (``train`` games have them), with thoughts
+  generated from the task's PDDL parameters and the observations (:func:`play_expert`). Games
+  without one (the validation splits) follow the plan TextWorld's PDDL planner (Fast
+  Downward) makes at reset: it knows where everything is, so it measures a ceiling and does
+  not search; ``D_bc`` comes from ``train`` only, i.e. from the recorded, searching episodes.
 
 Spec JSON (``Task.spec``, compact, sorted keys)::
 
@@ -154,7 +157,9 @@ class AlfWorldEpisode(Episode):
     """One play of one ALFWorld game on TextWorld's PDDL engine."""
 
     def __init__(self, task: Task, max_turns: int, data_dir: Path,
-                 show_admissible: bool = False) -> None:
+                 show_admissible: bool = False, planner: bool = False) -> None:
+        """``planner``: also ask TextWorld's PDDL planner for a winning plan at reset
+        (:attr:`plan`); only expert plays need it, and planning costs time."""
         self.task = task
         self.max_turns = max_turns
         self.show_admissible = show_admissible
@@ -167,7 +172,9 @@ class AlfWorldEpisode(Episode):
         if not game_file.is_file():
             raise ValueError(f"task {task.task_id!r}: game file {game_file} is missing")
         tw, gym, demangler = _engine()
-        infos = tw.EnvInfos(won=True, admissible_commands=True)
+        infos = tw.EnvInfos(won=True, admissible_commands=True, policy_commands=planner)
+        self.planner = planner
+        self.plan: list[str] = []
         env_id = gym.register_game(str(game_file), infos, max_episode_steps=max_turns + 1,
                                    asynchronous=False,
                                    wrappers=[demangler])
@@ -182,6 +189,8 @@ class AlfWorldEpisode(Episode):
         self._turns = 0
         self._won = bool(infos["won"])
         self._adm = list(infos["admissible_commands"])
+        if self.planner:
+            self.plan = list(infos["policy_commands"] or [])
         self._ready = True
         return self._decorate(clean_observation(obs, first=True))
 
@@ -313,12 +322,21 @@ def _thought(rng: random.Random, plan: Plan, action: str, last_obs: str,
 
 
 def play_expert(ep: AlfWorldEpisode) -> ExpertEpisode:
-    """Reset ``ep`` and replay the game's recorded expert actions until it is done."""
-    _, actions = read_expert_actions(ep.game_dir)
+    """Reset ``ep`` and play the game's recorded expert actions (``gt_traj.json``) until it
+    is done; a game without a recorded episode follows the PDDL planner's plan instead (``ep``
+    must have been started with ``planner=True``)."""
+    recorded = (ep.game_dir / EXPERT_FILE).is_file()
     plan = Plan.of(ep.game_dir, ep.task.task_type)
     digest = hashlib.sha256(f"alfworld|thought|{ep.task.task_id}".encode()).digest()
     rng = random.Random(int.from_bytes(digest[:8], "big"))
     obs = ep.reset()
+    if recorded:
+        actions = read_expert_actions(ep.game_dir)[1]
+    elif ep.planner:
+        actions = list(ep.plan)
+    else:
+        raise ValueError(f"game {ep.game_dir.name} has no recorded expert episode and the "
+                         "episode was started without the planner")
     turns: list[Turn] = []
     holding: str | None = None
     treated = False
@@ -445,12 +463,11 @@ class AlfWorldEnv(Environment):
 
     def expert_play(self, task: Task, slip_rate: float = 0.0) -> ExpertEpisode:
         if slip_rate:
-            raise ValueError("the alfworld expert replays recorded episodes and cannot slip; "
-                             "set expert.slip_rate: 0")
-        if task.split != "train":
-            raise ValueError(f"the alfworld expert replays recorded episodes, which only "
-                             f"train games have; task {task.task_id!r} is {task.split!r}")
-        ep = self.start(task)
+            raise ValueError("the alfworld expert replays recorded episodes or plans and cannot "
+                             "slip; set expert.slip_rate: 0")
+        game_dir = self.data_dir / json.loads(task.spec)["game"]
+        planner = not (game_dir / EXPERT_FILE).is_file()
+        ep = AlfWorldEpisode(task, self.max_turns, self.data_dir, self.show_admissible, planner)
         try:
             return play_expert(ep)
         finally:

@@ -143,5 +143,14 @@ def test_valid_seen_games_load_and_step(data_dir):
         assert not bad.admissible and bad.observation.startswith(NOTHING_HAPPENS)
         assert ep.turns == 2
         ep.close()
-    with pytest.raises(ValueError, match="only train games have"):
-        env.expert_play(tasks[0])
+    with pytest.raises(ValueError, match="cannot slip"):
+        env.expert_play(tasks[0], slip_rate=0.1)
+
+
+def test_valid_seen_expert_follows_the_planner_and_wins(data_dir):
+    env = _env(data_dir)
+    for task in env.make_tasks("valid_seen", 3, 0):
+        ep = env.expert_play(task)
+        assert ep.won and ep.score == 1.0, task.task_id
+        assert all(t.admissible for t in ep.turns) and len(ep.turns) <= MAX_TURNS
+        assert ep.turns[0].response.startswith("Thought: ")
