@@ -9,6 +9,7 @@ and 20 ``valid_seen`` games into a temporary folder (a few seconds).
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,20 @@ def test_valid_seen_expert_follows_the_planner_and_wins(data_dir):
         assert ep.won and ep.score == 1.0, task.task_id
         assert all(t.admissible for t in ep.turns) and len(ep.turns) <= MAX_TURNS
         assert ep.turns[0].response.startswith("Thought: ")
+
+
+def test_games_step_in_worker_processes(data_dir):
+    # Slow environments step in worker processes (rollout.env_workers); the workers rebuild
+    # the environment from its name and options and must give what the episode gives here.
+    from hisr_core.env_workers import EnvWorkers
+
+    env = _env(data_dir)
+    task = env.make_tasks("train", 1, 0)[0]
+    actions = alf.read_expert_actions(data_dir / json.loads(task.spec)["game"])[1]
+    with EnvWorkers("alfworld", MAX_TURNS, {"data_dir": str(data_dir)}, 1) as workers:
+        first = workers.start([("a", task)])[0]
+        assert f"Your task is to: {task.instruction}" in first
+        for action in actions:
+            res = workers.receive_steps(workers.send_steps([("a", action)]))["a"]
+            assert res.admissible, action
+        assert res.won and res.done
