@@ -30,15 +30,15 @@ class EnvParams(Section):
     """The benchmark every stage plays."""
 
     name: str = "household"
-    """Registry name of the environment: ``household`` (built in) or ``virtualhome`` (extra
-    ``virtualhome``)."""
+    """Registry name of the environment: ``household`` (built in), ``virtualhome`` (extra
+    ``virtualhome``) or ``alfworld`` (extra ``alfworld``)."""
 
     max_turns: int = Field(40, ge=1, le=1000)
     """Turn limit of an episode; the episode ends unsuccessfully when it is reached."""
 
     options: dict[str, Any] = Field(default_factory=dict)
     """Environment-specific options, checked by the environment (household and virtualhome:
-    ``show_admissible``)."""
+    ``show_admissible``; alfworld: ``data_dir`` and ``show_admissible``)."""
 
 
 class ExpertParams(Section):

@@ -23,4 +23,12 @@ torch_pin="torch==$(.venv/bin/python -c 'import torch; print(torch.__version__.s
 # constraints.txt pins every transitive dependency to the versions CI was run with;
 # the installed torch is pinned too, so no requirement can swap it.
 .venv/bin/python -m pip install --quiet -c constraints.txt -c <(echo "$torch_pin") -e ".[dev$EXTRAS]"
-.venv/bin/python -m pip check
+# TextWorld 1.7.0 (extra alfworld) packs its wheel's platform tags into one line that pip check
+# misreads as "not supported on this platform"; any other complaint fails the install.
+if ! report=$(.venv/bin/python -m pip check 2>&1); then
+  if grep -v '^textworld [0-9.]* is not supported on this platform' <<<"$report" | grep -q .; then
+    echo "$report" >&2
+    exit 1
+  fi
+fi
+echo "$report"

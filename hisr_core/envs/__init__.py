@@ -4,6 +4,7 @@ Importing this package registers every built-in environment.
 """
 
 from hisr_core.envs import (
+    alfworld,  # noqa: F401  (registers "alfworld")
     household,  # noqa: F401  (registers "household")
     virtualhome,  # noqa: F401  (registers "virtualhome")
 )

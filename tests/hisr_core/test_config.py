@@ -20,6 +20,14 @@ def test_virtualhome_profile_is_valid_and_keeps_its_outputs_apart():
     assert p.segment.llm.cache_dir.startswith("data/virtualhome/")
 
 
+def test_alfworld_profile_is_valid_and_keeps_its_outputs_apart():
+    p = load_params("profiles/alfworld.yaml")
+    assert p.env.name == "alfworld" and p.expert.slip_rate == 0.0
+    assert p.env.options == {"data_dir": "data/alfworld/games", "show_admissible": True}
+    assert p.tracking.mlflow_uri == "sqlite:///data/alfworld/mlflow/mlflow.db"
+    assert p.segment.llm.cache_dir.startswith("data/alfworld/")
+
+
 def test_unknown_key_names_it_and_suggests_nearest():
     with pytest.raises(ParamsError) as e:
         parse_params({"expert": {"n_trian": 5}})
