@@ -398,17 +398,7 @@ class AlfWorldEnv(Environment):
     _OPTIONS = ("data_dir", "show_admissible")
 
     def __init__(self, max_turns: int, **options: Any) -> None:
-        unknown = sorted(set(options) - set(self._OPTIONS))
-        if unknown:
-            raise ValueError(
-                f"unknown option(s) for environment 'alfworld': {unknown}; "
-                f"known: {list(self._OPTIONS)}"
-            )
         super().__init__(max_turns, **options)
-        show = options.get("show_admissible", False)
-        if not isinstance(show, bool):
-            raise TypeError(f"show_admissible must be a bool, got {show!r}")
-        self.show_admissible: bool = show
         data_dir = options.get("data_dir")
         if not isinstance(data_dir, str) or not data_dir:
             raise ValueError("environment 'alfworld' needs env.options.data_dir: the folder "

@@ -209,11 +209,22 @@ class Environment(abc.ABC):
     state_changing_verbs: ClassVar[tuple[str, ...]]
     command_grammar: ClassVar[tuple[str, ...]]
 
+    #: The ``env.options`` an implementation knows; every one knows ``show_admissible``.
+    _OPTIONS: ClassVar[tuple[str, ...]] = ("show_admissible",)
+
     def __init__(self, max_turns: int, **options: Any) -> None:
+        unknown = sorted(set(options) - set(self._OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown option(s) for environment {self.name!r}: {unknown}; "
+                             f"known: {list(self._OPTIONS)}")
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        show = options.get("show_admissible", False)
+        if not isinstance(show, bool):
+            raise TypeError(f"show_admissible must be a bool, got {show!r}")
         self.max_turns = max_turns
         self.options = options
+        self.show_admissible: bool = show
 
     @abc.abstractmethod
     def make_tasks(self, split: str, n: int, seed: int) -> list[Task]:

@@ -1095,20 +1095,6 @@ class HouseholdEnv(Environment):
         "look",
         "inventory",
     )
-    _OPTIONS = ("show_admissible",)
-
-    def __init__(self, max_turns: int, **options: Any) -> None:
-        unknown = sorted(set(options) - set(self._OPTIONS))
-        if unknown:
-            raise ValueError(
-                f"unknown option(s) for environment 'household': {unknown}; "
-                f"known: {list(self._OPTIONS)}"
-            )
-        super().__init__(max_turns, **options)
-        show = options.get("show_admissible", False)
-        if not isinstance(show, bool):
-            raise TypeError(f"show_admissible must be a bool, got {show!r}")
-        self.show_admissible: bool = show
 
     def make_tasks(self, split: str, n: int, seed: int) -> list[Task]:
         self.check_split(split)

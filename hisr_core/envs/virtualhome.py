@@ -645,20 +645,8 @@ class VirtualHomeEnv(Environment):
                             "wash", "rinse", "scrub", "squeeze", "drink", "type", "take")
     command_grammar = tuple(
         c.template.replace("{x}", "{obj}").replace("{y}", "{obj}") for c in COMMANDS)
-    _OPTIONS = ("show_admissible",)
-
     def __init__(self, max_turns: int, **options: Any) -> None:
-        unknown = sorted(set(options) - set(self._OPTIONS))
-        if unknown:
-            raise ValueError(
-                f"unknown option(s) for environment 'virtualhome': {unknown}; "
-                f"known: {list(self._OPTIONS)}"
-            )
         super().__init__(max_turns, **options)
-        show = options.get("show_admissible", False)
-        if not isinstance(show, bool):
-            raise TypeError(f"show_admissible must be a bool, got {show!r}")
-        self.show_admissible: bool = show
         # Fail now, with the install hint, rather than at the first task; a ValueError, so
         # that a stage's params check reports it like any other bad setting (exit status 2).
         try:
