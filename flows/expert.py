@@ -32,7 +32,8 @@ def expert_flow(params_path: Path = Path("params.yaml"), data: Path = Path("data
             # D_bc comes from train only; the other splits measure the expert's ceiling.
             train = split == "train"
             out = data / "expert" / "d_bc.parquet" if train else None
-            metrics["expert"][split] = expert_play(env, path, out, cfg.slip_rate if train else 0.0)
+            metrics["expert"][split] = expert_play(env, path, out, cfg.slip_rate if train else 0.0,
+                                                     cfg.workers)
         log_metrics(metrics, data / "expert" / "metrics.json")
     train = metrics["expert"]["train"]
     print(f"D_bc: {train['n_won']} trajectories, mean {train['mean_turns']:.1f} turns; "

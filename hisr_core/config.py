@@ -61,6 +61,10 @@ class ExpertParams(Section):
     ``Nothing happens.``) and then recovers; slipped turns carry no SFT loss. Training split
     only; 0 turns recovery demonstrations off."""
 
+    workers: int = Field(0, ge=0, le=256)
+    """Processes playing the expert's games (0: in the stage's own process). Slow
+    environments (ALFWorld: ~2.5 s a game) want one per core."""
+
     def split_sizes(self) -> dict[str, int]:
         return {
             "train": self.n_train,

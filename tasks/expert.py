@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from hisr_core import contracts
 from hisr_core.config import EnvParams
+from hisr_core.env_workers import expert_episodes
 from hisr_core.envs import Task, make_environment
 from tasks.caching import cached_task
 
@@ -30,19 +31,25 @@ def make_tasks(env: EnvParams, split: str, n: int, seed: int, out: Path) -> dict
         sorted(collections.Counter(t.task_type for t in tasks).items()))}
 
 
-@cached_task("expert-play", inputs=["tasks_path"], outputs=["out"])
+@cached_task("expert-play", inputs=["tasks_path"], outputs=["out"], ignore=["workers"])
 def expert_play(env: EnvParams, tasks_path: Path, out: Path | None,
-                slip_rate: float = 0.0) -> dict[str, Any]:
-    """Play every task of ``tasks_path`` with the expert; write the wins to ``out`` (``D_bc``).
+                slip_rate: float = 0.0, workers: int = 0) -> dict[str, Any]:
+    """Play every task of ``tasks_path`` with the expert (in ``workers`` processes, or in this
+    one when 0); write the wins to ``out`` (``D_bc``).
 
     Returns the split's metrics: success rate, episode and mean-turn counts per task type, and
     the number of slips (recovery demonstrations, see ``ExpertParams.slip_rate``).
     """
-    environment = make_environment(env.name, env.max_turns, **env.options)
     tasks = [Task.from_row(r) for r in contracts.read_rows(tasks_path, "tasks")]
+    if workers:
+        episodes = expert_episodes(env.name, env.max_turns, env.options, tasks, slip_rate,
+                                   workers)
+    else:
+        environment = make_environment(env.name, env.max_turns, **env.options)
+        episodes = (environment.expert_play(t, slip_rate) for t in tasks)
     rows, turns_by_type, failed, slips = [], collections.defaultdict(list), 0, 0
-    for task_ in tqdm(tasks, desc=f"expert {tasks_path.stem}", unit="task", mininterval=2):
-        ep = environment.expert_play(task_, slip_rate)
+    for task_, ep in tqdm(zip(tasks, episodes, strict=True), total=len(tasks),
+                          desc=f"expert {tasks_path.stem}", unit="task", mininterval=2):
         slips += sum(not t.admissible for t in ep.turns)
         if not ep.won:
             failed += 1

@@ -65,12 +65,12 @@ def test_missing_params_file(run_module, tmp_path):
     assert proc.returncode == 2 and "nope.yaml: cannot read parameters file" in proc.stderr
 
 
-def _run_stage_in_process(params_file, data):
+def _run_stage_in_process(params_file, data, workers=0):
     """The stage's tasks without the Prefect engine (``.fn``), for byte comparisons."""
     p = parse_params(__import__("yaml").safe_load(params_file.read_text()))
     path = data / "tasks" / "train.parquet"
     make_tasks.fn(p.env, "train", p.expert.n_train, p.expert.seed, path)
-    expert_play.fn(p.env, path, data / "d_bc.parquet")
+    expert_play.fn(p.env, path, data / "d_bc.parquet", p.expert.slip_rate, workers)
     return path.read_bytes(), (data / "d_bc.parquet").read_bytes()
 
 
@@ -81,3 +81,14 @@ def test_same_seed_gives_byte_identical_d_bc(write_params, tmp_path):
     assert a == b
     c = _run_stage_in_process(write_params({"expert": {"n_train": 60, "seed": 1}}), tmp_path / "c")
     assert c[1] != a[1]
+
+
+def test_worker_processes_give_the_same_d_bc(write_params, tmp_path, monkeypatch):
+    # expert.workers plays the games in pools of processes replaced every few games (3 here,
+    # so 10 games take two pools); the order and every byte must match the in-process play.
+    import hisr_core.env_workers
+
+    monkeypatch.setattr(hisr_core.env_workers, "GAMES_PER_PROCESS", 3)
+    params = write_params({"expert": {"n_train": 10, "slip_rate": 0.3}})
+    assert _run_stage_in_process(params, tmp_path / "a", workers=2) == \
+        _run_stage_in_process(params, tmp_path / "b")
