@@ -172,7 +172,10 @@ class AlfWorldEpisode(Episode):
         if not game_file.is_file():
             raise ValueError(f"task {task.task_id!r}: game file {game_file} is missing")
         tw, gym, demangler = _engine()
-        infos = tw.EnvInfos(won=True, admissible_commands=True, policy_commands=planner)
+        # The plan once, at reset (the "walkthrough" extra: these games store none, so TextWorld
+        # plans); requesting policy_commands would replan after every step (seconds each).
+        infos = tw.EnvInfos(won=True, admissible_commands=True,
+                            extras=["walkthrough"] if planner else [])
         self.planner = planner
         self.plan: list[str] = []
         env_id = gym.register_game(str(game_file), infos, max_episode_steps=max_turns + 1,
@@ -190,7 +193,7 @@ class AlfWorldEpisode(Episode):
         self._won = bool(infos["won"])
         self._adm = list(infos["admissible_commands"])
         if self.planner:
-            self.plan = list(infos["policy_commands"] or [])
+            self.plan = list(infos["extra.walkthrough"] or [])
         self._ready = True
         return self._decorate(clean_observation(obs, first=True))
 
@@ -407,17 +410,9 @@ class AlfWorldEnv(Environment):
         if not (self.data_dir / ROOT).is_dir():
             raise ValueError(f"alfworld data_dir {data_dir!r} has no {ROOT} folder; unpack the "
                              "game archives with python -m hisr_core.envs.alfworld_data")
-        # Fail now, with the install hint, rather than at the first episode; a ValueError, so
-        # that a stage's params check reports it like any other bad setting (exit status 2).
-        try:
-            _engine()
-        except ImportError as err:
-            raise ValueError(str(err)) from None
+        self.require(_engine)
 
-    def make_tasks(self, split: str, n: int, seed: int) -> list[Task]:
-        self.check_split(split)
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
+    def _make_tasks(self, split: str, n: int, seed: int) -> list[Task]:
         if n == 0:  # a split one does not use need not be unpacked
             return []
         dirs = game_dirs(self.data_dir, split)
@@ -446,9 +441,7 @@ class AlfWorldEnv(Environment):
         finally:
             ep.close()
 
-    def start(self, task: Task) -> AlfWorldEpisode:
-        if task.env != self.name:
-            raise ValueError(f"task {task.task_id!r} belongs to environment {task.env!r}")
+    def _start(self, task: Task) -> AlfWorldEpisode:
         return AlfWorldEpisode(task, self.max_turns, self.data_dir, self.show_admissible)
 
     def expert_play(self, task: Task, slip_rate: float = 0.0) -> ExpertEpisode:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 NOTHING_HAPPENS = "Nothing happens."
@@ -226,13 +226,26 @@ class Environment(abc.ABC):
         self.options = options
         self.show_admissible: bool = show
 
-    @abc.abstractmethod
     def make_tasks(self, split: str, n: int, seed: int) -> list[Task]:
         """``n`` tasks of ``split``, deterministic given ``seed`` (fewer if the split is finite)."""
+        self.check_split(split)
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        return self._make_tasks(split, n, seed)
 
-    @abc.abstractmethod
     def start(self, task: Task) -> Episode:
         """A fresh episode for ``task`` (call ``reset`` on it before stepping)."""
+        if task.env != self.name:
+            raise ValueError(f"task {task.task_id!r} belongs to environment {task.env!r}")
+        return self._start(task)
+
+    @abc.abstractmethod
+    def _make_tasks(self, split: str, n: int, seed: int) -> list[Task]:
+        """:meth:`make_tasks` once ``split`` and ``n`` are checked."""
+
+    @abc.abstractmethod
+    def _start(self, task: Task) -> Episode:
+        """:meth:`start` once the task is known to be this environment's."""
 
     def expert_play(self, task: Task, slip_rate: float = 0.0) -> ExpertEpisode:
         """Play ``task`` with the benchmark's expert; raises if the benchmark has none.
@@ -242,6 +255,16 @@ class Environment(abc.ABC):
         inadmissible). Experts that cannot recover accept only 0.
         """
         raise NotImplementedError(f"environment {self.name!r} has no expert")
+
+    @staticmethod
+    def require(load: Callable[[], object]) -> None:
+        """Run ``load`` (the import of an optional package) now, so that a missing package fails
+        at construction with its install hint rather than at the first episode; as a
+        ValueError, which a stage's params check reports like any bad setting (exit status 2)."""
+        try:
+            load()
+        except ImportError as err:
+            raise ValueError(str(err)) from None
 
     def check_split(self, split: str) -> None:
         if split not in self.splits:

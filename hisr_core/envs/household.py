@@ -1096,10 +1096,7 @@ class HouseholdEnv(Environment):
         "inventory",
     )
 
-    def make_tasks(self, split: str, n: int, seed: int) -> list[Task]:
-        self.check_split(split)
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
+    def _make_tasks(self, split: str, n: int, seed: int) -> list[Task]:
         order = _type_order(seed, split)
         tasks = []
         for i in range(n):
@@ -1112,9 +1109,7 @@ class HouseholdEnv(Environment):
             ))
         return tasks
 
-    def start(self, task: Task) -> HouseholdEpisode:
-        if task.env != self.name:
-            raise ValueError(f"task {task.task_id!r} belongs to environment {task.env!r}")
+    def _start(self, task: Task) -> HouseholdEpisode:
         return HouseholdEpisode(task, self.max_turns, self.show_admissible)
 
     def expert_play(self, task: Task, slip_rate: float = 0.0) -> ExpertEpisode:

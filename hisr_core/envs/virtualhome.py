@@ -647,17 +647,9 @@ class VirtualHomeEnv(Environment):
         c.template.replace("{x}", "{obj}").replace("{y}", "{obj}") for c in COMMANDS)
     def __init__(self, max_turns: int, **options: Any) -> None:
         super().__init__(max_turns, **options)
-        # Fail now, with the install hint, rather than at the first task; a ValueError, so
-        # that a stage's params check reports it like any other bad setting (exit status 2).
-        try:
-            _package()
-        except ImportError as err:
-            raise ValueError(str(err)) from None
+        self.require(_package)
 
-    def make_tasks(self, split: str, n: int, seed: int) -> list[Task]:
-        self.check_split(split)
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
+    def _make_tasks(self, split: str, n: int, seed: int) -> list[Task]:
         programs = [(p, g) for p, g in program_index(SCENE)
                     if split_of(p.program, p.activity) == split]
         digest = hashlib.sha256(f"virtualhome|order|{seed}|{split}".encode()).digest()
@@ -673,9 +665,7 @@ class VirtualHomeEnv(Environment):
             ))
         return tasks
 
-    def start(self, task: Task) -> VirtualHomeEpisode:
-        if task.env != self.name:
-            raise ValueError(f"task {task.task_id!r} belongs to environment {task.env!r}")
+    def _start(self, task: Task) -> VirtualHomeEpisode:
         return VirtualHomeEpisode(task, self.max_turns, self.show_admissible)
 
     def expert_play(self, task: Task, slip_rate: float = 0.0) -> ExpertEpisode:
