@@ -198,14 +198,6 @@ class AlfWorldEpisode(Episode):
         return self._decorate(clean_observation(obs, first=True))
 
     @property
-    def turns(self) -> int:
-        return self._turns
-
-    @property
-    def won(self) -> bool:
-        return self._won
-
-    @property
     def score(self) -> float:
         return 1.0 if self._won else 0.0
 

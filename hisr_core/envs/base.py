@@ -102,6 +102,8 @@ class Episode(abc.ABC):
 
     task: Task
     max_turns: int
+    _turns: int = 0
+    _won: bool = False
 
     @abc.abstractmethod
     def reset(self) -> str:
@@ -116,13 +118,13 @@ class Episode(abc.ABC):
         """The commands that would do something now, in a stable order."""
 
     @property
-    @abc.abstractmethod
     def turns(self) -> int:
-        """Steps taken since reset."""
+        """Steps taken since reset (``reset`` sets ``_turns = 0``, ``step`` counts)."""
+        return self._turns
 
     @property
-    @abc.abstractmethod
-    def won(self) -> bool: ...
+    def won(self) -> bool:
+        return self._won
 
     @property
     @abc.abstractmethod
@@ -144,8 +146,6 @@ class GoalEpisode(Episode):
     """
 
     show_admissible: bool = False
-    _turns: int = 0
-    _won: bool = False
     _ready: bool = False
 
     @abc.abstractmethod
@@ -156,14 +156,6 @@ class GoalEpisode(Episode):
     def _act(self, action: str) -> str | None:
         """Carry out ``action``: its observation, or ``None`` when it is not admissible (and
         nothing changed). Sets ``_won`` when the goal is reached."""
-
-    @property
-    def turns(self) -> int:
-        return self._turns
-
-    @property
-    def won(self) -> bool:
-        return self._won
 
     @property
     def score(self) -> float:
