@@ -50,6 +50,7 @@ import importlib
 import json
 import random
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ from hisr_core.envs.base import (
     Environment,
     Episode,
     ExpertEpisode,
+    Slips,
     StepResult,
     Task,
     Turn,
@@ -316,13 +318,31 @@ def _thought(rng: random.Random, plan: Plan, action: str, last_obs: str,
     return f"Next: {action}."
 
 
-def play_expert(ep: AlfWorldEpisode) -> ExpertEpisode:
+def _slip_command(plan: Plan, here: str | None, admissible: Sequence[str],
+                  rng: random.Random) -> str | None:
+    """A plausible command that does nothing here: taking a numbered copy of the goal object
+    from where the agent stands, or putting one there, while the game does not allow it.
+    ``None`` before the agent has gone anywhere, or when both are allowed."""
+    if here is None:
+        return None
+    obj = f"{plan.target or 'object'} {rng.randint(1, 3)}"
+    options = [c for c in (f"take {obj} from {here}", f"put {obj} in/on {here}")
+               if c not in admissible]
+    return rng.choice(options) if options else None
+
+
+def play_expert(ep: AlfWorldEpisode, slip_rate: float = 0.0) -> ExpertEpisode:
     """Reset ``ep`` and play the game's recorded expert actions (``gt_traj.json``) until it
     is done; a game without a recorded episode follows the PDDL planner's plan instead (``ep``
-    must have been started with ``planner=True``)."""
+    must have been started with ``planner=True``).
+
+    With ``slip_rate > 0`` the expert sometimes first issues a command the game refuses
+    (``Nothing happens.``, nothing changes) and recovers on the next turn (:class:`Slips`);
+    only while the actions left still fit in the turn limit, so slips never cost a win."""
+    digest = hashlib.sha256(f"alfworld|thought|{ep.task.task_id}".encode()).digest()
+    slips = Slips(slip_rate, random.Random(int.from_bytes(digest[8:16], "big")))
     recorded = (ep.game_dir / EXPERT_FILE).is_file()
     plan = Plan.of(ep.game_dir, ep.task.task_type)
-    digest = hashlib.sha256(f"alfworld|thought|{ep.task.task_id}".encode()).digest()
     rng = random.Random(int.from_bytes(digest[:8], "big"))
     obs = ep.reset()
     if recorded:
@@ -334,14 +354,22 @@ def play_expert(ep: AlfWorldEpisode) -> ExpertEpisode:
                          "episode was started without the planner")
     turns: list[Turn] = []
     holding: str | None = None
+    here: str | None = None
     treated = False
     for k, action in enumerate(actions):
         if ep.done:
             break
+        if ep.turns + 1 + len(actions) - k <= ep.max_turns and slips.due(ep.turns):
+            slip = _slip_command(plan, here, ep.admissible_commands(), slips.rng)
+            if slip is not None:
+                res = ep.step(slip)
+                turns.append(slips.turn(obs, slip, res.admissible))
+                obs = res.observation
         thought = _thought(rng, plan, action, obs, holding, treated, first=k == 0)
         if k == 0:
             opening = rng.choice(_OPENINGS).format(goal=ep.task.instruction)
             thought = f"{opening} {thought}"
+        thought = slips.thought(thought)
         res = ep.step(action)
         if res.admissible:
             m = re.match(r"take (.+?) from ", action)
@@ -349,6 +377,8 @@ def play_expert(ep: AlfWorldEpisode) -> ExpertEpisode:
                 holding = m.group(1)
             elif action.startswith("put "):
                 holding = None
+            elif action.startswith("go to "):
+                here = action[len("go to "):]
             elif action.split()[0] in _TREAT.values():
                 treated = True
         turns.append(Turn(observation=obs, response=format_response(thought, action),
@@ -437,13 +467,10 @@ class AlfWorldEnv(Environment):
         return AlfWorldEpisode(task, self.max_turns, self.data_dir, self.show_admissible)
 
     def expert_play(self, task: Task, slip_rate: float = 0.0) -> ExpertEpisode:
-        if slip_rate:
-            raise ValueError("the alfworld expert replays recorded episodes or plans and cannot "
-                             "slip; set expert.slip_rate: 0")
         game_dir = self.data_dir / json.loads(task.spec)["game"]
         planner = not (game_dir / EXPERT_FILE).is_file()
         ep = AlfWorldEpisode(task, self.max_turns, self.data_dir, self.show_admissible, planner)
         try:
-            return play_expert(ep)
+            return play_expert(ep, slip_rate)
         finally:
             ep.close()

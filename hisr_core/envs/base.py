@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import random
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
+
+from hisr_core.react import format_response
 
 NOTHING_HAPPENS = "Nothing happens."
 
@@ -181,6 +184,51 @@ class GoalEpisode(Episode):
         return StepResult(observation=self._decorate(NOTHING_HAPPENS if obs is None else obs),
                           admissible=obs is not None, done=self.done, won=self._won,
                           score=self.score)
+
+
+#: Thoughts of a slipped turn, and the opening of the turn after it.
+SLIP_THOUGHTS = ("I will try {cmd}.", "Maybe {cmd} works.", "Let me {cmd}.")
+RECOVER_THOUGHTS = ("That did not work.", "Nothing happened, so that was wrong.",
+                    "That command did nothing; let me look at what I actually have.")
+#: At most this many slips per episode, so the expert still wins well within the turn limit.
+MAX_SLIPS = 2
+
+
+class Slips:
+    """An expert's slips: now and then a plausible command that does nothing (answered
+    ``Nothing happens.``), then a recovery on the next turn. Recovery demonstrations for
+    behaviour cloning, as in DART; the slipped turns are flagged inadmissible so SFT leaves them
+    out of the loss. At most :data:`MAX_SLIPS` an episode, never on the first turn, never two in
+    a row. ``rng`` draws only slip decisions and wording, so the expert's own choices do not
+    depend on ``rate``."""
+
+    def __init__(self, rate: float, rng: random.Random) -> None:
+        if not 0.0 <= rate < 1.0:
+            raise ValueError(f"slip_rate must be in [0, 1), got {rate}")
+        self.rate = rate
+        self.rng = rng
+        self.count = 0
+        self.recovering = False
+
+    def due(self, turns: int) -> bool:
+        """Whether to slip before the expert's next command (``turns``: turns played so far)."""
+        return bool(self.rate and turns and not self.recovering and self.count < MAX_SLIPS
+                    and self.rng.random() < self.rate)
+
+    def turn(self, observation: str, command: str, admissible: bool) -> Turn:
+        """Record a slip: ``command`` was issued after ``observation``."""
+        self.count += 1
+        self.recovering = True
+        thought = self.rng.choice(SLIP_THOUGHTS).format(cmd=command)
+        return Turn(observation=observation, response=format_response(thought, command),
+                    action=command, admissible=admissible)
+
+    def thought(self, thought: str) -> str:
+        """The expert's own ``thought``, opened by a recovery after a slip."""
+        if not self.recovering:
+            return thought
+        self.recovering = False
+        return f"{self.rng.choice(RECOVER_THOUGHTS)} {thought}".strip()
 
 
 class Environment(abc.ABC):

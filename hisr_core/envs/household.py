@@ -57,6 +57,7 @@ from hisr_core.envs.base import (
     Environment,
     ExpertEpisode,
     GoalEpisode,
+    Slips,
     Task,
     Turn,
     register,
@@ -990,14 +991,6 @@ class _Expert:
         return self._go(r)
 
 
-#: Thoughts opening the turn after a slip (an inadmissible command answered "Nothing happens.").
-_RECOVER = ("That did not work.", "Nothing happened, so that was wrong.",
-            "That command did nothing; let me look at what I actually have.")
-_SLIP_THOUGHT = ("I will try {cmd}.", "Maybe {cmd} works.", "Let me {cmd}.")
-#: At most this many slips per episode, so the expert still wins well within the turn limit.
-MAX_SLIPS = 2
-
-
 def _slip_command(ep: HouseholdEpisode, rng: random.Random) -> str | None:
     """A plausible command that does nothing here: taking an object that is not there (often
     one that looks like the goal), opening what is open, going where the agent already is, or
@@ -1019,34 +1012,24 @@ def _slip_command(ep: HouseholdEpisode, rng: random.Random) -> str | None:
 def play_expert(ep: HouseholdEpisode, slip_rate: float = 0.0) -> ExpertEpisode:
     """Reset ``ep`` and play it to the end with the expert.
 
-    With ``slip_rate > 0`` the expert sometimes issues a plausible inadmissible command (a
-    *slip*, at most :data:`MAX_SLIPS` per episode), sees ``Nothing happens.`` and recovers on the
-    next turn: demonstrations of recovery for behaviour cloning (as in DART). Slipped turns are
-    flagged ``admissible=False`` so training can leave them out of the loss.
+    With ``slip_rate > 0`` the expert sometimes issues a plausible inadmissible command, sees
+    ``Nothing happens.`` and recovers on the next turn (:class:`Slips`).
     """
-    if not 0.0 <= slip_rate < 1.0:
-        raise ValueError(f"slip_rate must be in [0, 1), got {slip_rate}")
+    slips = Slips(slip_rate, random.Random(ep.task.seed ^ 0x511B_5EED))
     obs = ep.reset()
     # Thought wording only; salted so it is independent of the generator's draws.
     expert = _Expert(ep, random.Random(ep.task.seed ^ 0x5EED_7A0C))
-    slips = random.Random(ep.task.seed ^ 0x511B_5EED)
     turns: list[Turn] = []
-    n_slips, recovering = 0, False
     while not ep.done:
-        if (slip_rate and turns and not recovering and n_slips < MAX_SLIPS
-                and slips.random() < slip_rate):
-            cmd = _slip_command(ep, slips)
+        if slips.due(len(turns)):
+            cmd = _slip_command(ep, slips.rng)
             if cmd is not None:
                 res = ep.step(cmd)
-                thought = slips.choice(_SLIP_THOUGHT).format(cmd=cmd)
-                turns.append(Turn(observation=obs, response=format_response(thought, cmd),
-                                  action=cmd, admissible=res.admissible))
-                obs, n_slips, recovering = res.observation, n_slips + 1, True
+                turns.append(slips.turn(obs, cmd, res.admissible))
+                obs = res.observation
                 continue
         thought, cmd = expert.act()
-        if recovering:
-            thought = f"{slips.choice(_RECOVER)} {thought}".strip()
-            recovering = False
+        thought = slips.thought(thought)
         res = ep.step(cmd)
         turns.append(Turn(observation=obs, response=format_response(thought, cmd), action=cmd,
                           admissible=res.admissible))

@@ -473,7 +473,7 @@ def test_expert_plays_hand_built_room():
 
 
 def test_expert_slips_then_recovers_and_still_wins():
-    from hisr_core.envs.household import MAX_SLIPS
+    from hisr_core.envs.base import MAX_SLIPS
 
     env = make_environment("household", max_turns=40)
     n_slipped = 0
