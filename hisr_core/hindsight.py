@@ -2,19 +2,20 @@
 
 ``pi_hind`` sees the task, the whole trajectory except response ``a_k`` (past *and* future
 turns) and the outcome, and must write ``a_k``. One example per turn. **Decision:** the
-hindsight information (the turns after k, the outcome and the final observation) goes into a
-block after the task's system text, and the trajectory follows as the policy saw it, so the
-masked response stands exactly where the policy wrote it: the empty assistant turn after
-``o_k`` is the placeholder. ``pi_hind`` starts from ``pi_ref``, which already writes responses
-in that place, and only has to learn to use the block (a layout with a placeholder mid-sequence
-and the target at the end asks a small model to learn a new task first). The example is an
-ordinary chat episode, so the policy's prompt builder encodes it and the SFT loss trains it:
+trajectory is laid out as the policy saw it up to ``o_k``, the hindsight information (the turns
+after k, the outcome and the final observation) is appended to turn k's user message, and the
+empty assistant turn after it is the placeholder where ``a_k`` was. Everything before the block
+is byte-identical to the policy's prompt for turn k, so ``pi_hind`` starts from ``pi_ref``
+exactly where ``pi_ref`` writes ``a_k`` and only has to learn to read the block, which sits
+right before the target (a small model copies from nearby text far more easily than it learns a
+new layout). The example is an ordinary chat episode, so the policy's prompt builder encodes it
+and the SFT loss trains it:
 
     system:    the task's system text
-               + "Hindsight ... Later turns: [Observation] o_k+1 [Response] a_k+1 ...
-                  Outcome: success (R = 1.00). Final observation: ..."
     turns:     o_f, a_f, ..., o_k-1, a_k-1                  (the past, as the policy saw it)
     user:      o_k
+               + "Hindsight ... Later turns: [Observation] o_k+1 [Response] a_k+1 ...
+                  Outcome: success (R = 1.00). Final observation: ..."
     assistant: a_k                                           (the only tokens with loss)
 
 Scoring reads ``log pi_hind(a_k^j | hindsight context)`` off the same sequence.
@@ -49,8 +50,7 @@ class Window:
 
 def hindsight_block(later: Sequence[tuple[str, str]], outcome: float, won: bool,
                     final_observation: str) -> str:
-    """The text appended to the system message: the turns after k, the outcome and the final
-    observation."""
+    """The text appended to ``o_k``: the turns after k, the outcome and the final observation."""
     lines = ["Hindsight: how this episode went after the turn you are writing."]
     if later:
         lines.append("Later turns:")
@@ -64,8 +64,8 @@ def hindsight_block(later: Sequence[tuple[str, str]], outcome: float, won: bool,
 def hindsight_example(builder: PromptBuilder, system: str, turns: Sequence[tuple[str, str]], k: int,
                       outcome: float, won: bool, final_observation: str,
                       window: Window = Window()) -> Encoded:
-    """The example for turn ``k``: the system text with the hindsight block (the turns
-    ``window`` keeps after k), the turns it keeps before k, ``o_k``, and ``a_k`` (masked in).
+    """The example for turn ``k``: the system text, the turns ``window`` keeps before k,
+    ``o_k`` with the hindsight block (the turns it keeps after k), and ``a_k`` (masked in).
     While the sequence is over ``builder.max_tokens`` the kept turn farthest from ``k`` is
     dropped (the later one on a tie)."""
     m = len(turns)
@@ -74,7 +74,9 @@ def hindsight_example(builder: PromptBuilder, system: str, turns: Sequence[tuple
     first, last = window.bounds(k, m)
     while True:
         block = hindsight_block(turns[k + 1:last + 1], outcome, won, final_observation)
-        enc = builder.encode(f"{system}\n\n{block}", turns[:k + 1], first, train_from=k)
+        obs_k, resp_k = turns[k]
+        enc = builder.encode(system, [*turns[:k], (f"{obs_k}\n\n{block}", resp_k)], first,
+                             train_from=k)
         if len(enc.input_ids) <= builder.max_tokens:
             return enc
         if first == last == k:

@@ -46,7 +46,7 @@ def _context(tokenizer, enc) -> str:
     return tokenizer.decode(enc.input_ids[:enc.response_mask.index(1)])
 
 
-def test_the_example_holds_the_past_the_future_and_the_outcome_before_a_k(rows, tokenizer):
+def test_the_example_is_the_policy_prompt_with_the_future_and_outcome_after_o_k(rows, tokenizer):
     builder = PromptBuilder(tokenizer, None, 4096)
     row = rows[1]
     system, turns = episode_of(row, GRAMMAR)
@@ -54,16 +54,18 @@ def test_the_example_holds_the_past_the_future_and_the_outcome_before_a_k(rows, 
     enc = hindsight_example(builder, system, turns, k, row["outcome"], row["won"],
                             row["final_observation"])
     context = _context(tokenizer, enc)
-    block = context[context.index("Hindsight:"):context.index(turns[0][0])]
-    # The later turns and the outcome are in the hindsight block, in order...
+    # Up to o_k the example is the policy's own sequence, token for token...
+    past = builder.encode(system, turns[:k]).input_ids
+    assert enc.input_ids[:len(past)] == past
+    # ...o_k follows, then the block: the later turns in order, the outcome...
+    trajectory, block = context[:context.index("Hindsight:")], context[context.index("Hindsight:"):]
     later = [block.index(f"[Response] {resp}") for _, resp in turns[k + 1:]]
     assert later == sorted(later) and len(later) == len(turns) - k - 1
     assert "Outcome: success (R = 1.00)" in block and row["final_observation"] in block
-    # ...the past follows as the policy saw it, up to o_k; a_k is nowhere before the target.
-    trajectory = context[context.index(turns[0][0]):]
-    for obs, resp in [*turns[:k], (turns[k][0], "")]:
+    assert trajectory.rstrip().endswith(turns[k][0])
+    for obs, resp in turns[:k]:
         assert obs in trajectory and resp in trajectory
-    assert trajectory.rindex(turns[k][0]) > trajectory.rindex(turns[k - 1][1])
+    # ...and a_k is nowhere before the target.
     assert turns[k][1] not in context
     # The masked tokens are a_k and its end-of-turn marker, nothing else.
     target = builder._ids(turns[k][1]) + builder._asst_end
