@@ -7,9 +7,8 @@ after k, the outcome and the final observation) is appended to turn k's user mes
 empty assistant turn after it is the placeholder where ``a_k`` was. Everything before the block
 is byte-identical to the policy's prompt for turn k, so ``pi_hind`` starts from ``pi_ref``
 exactly where ``pi_ref`` writes ``a_k`` and only has to learn to read the block, which sits
-right before the target (a small model copies from nearby text far more easily than it learns a
-new layout). The example is an ordinary chat episode, so the policy's prompt builder encodes it
-and the SFT loss trains it:
+right before the target. The example is an ordinary chat episode, so the policy's prompt builder
+encodes it and the SFT loss trains it:
 
     system:    the task's system text
     turns:     o_f, a_f, ..., o_k-1, a_k-1                  (the past, as the policy saw it)
