@@ -332,7 +332,12 @@ class PpoParams(Section):
     """Padded tokens per scoring forward pass (rows x longest row)."""
 
     rft_epochs: float = Field(1.0, gt=0)
-    """``rft``: passes over the successful rollouts (other settings from ``sft``)."""
+    """``rft``: passes over the successful rollouts (the rate from ``rft_lr``, other settings
+    from ``sft``)."""
+
+    rft_lr: float = Field(2e-4, gt=0)
+    """``rft``: peak learning rate. It fine-tunes ``pi_ref`` further, so it takes a rate of
+    the RL stage's order rather than ``sft.lr``, which trains the model from scratch."""
 
     lora: LoraParams = Field(default_factory=LoraParams)
     """LoRA adapters on the policy instead of full fine-tuning."""

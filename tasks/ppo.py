@@ -189,7 +189,8 @@ def write_curve(run_id: str, path: Path) -> list[dict[str, float]]:
 def train_rft(params: Params, pi_ref: Path, d_ct: Path, out_dir: Path, loss_csv: Path,
               run_id: str | None) -> dict[str, Any]:
     """``rft``: behaviour cloning from ``pi_ref`` on its own successful rollouts of ``D_ct``
-    (``sft`` settings, ``ppo.rft_epochs`` passes, ``ppo.seed``); saves ``out_dir/policy``."""
+    (``sft`` settings, ``ppo.rft_epochs`` passes at ``ppo.rft_lr``, ``ppo.seed``); saves
+    ``out_dir/policy``."""
     rows = [r for r in contracts.read_rows(d_ct, "rollouts") if r["won"]]
     tokenizer = load_tokenizer(pi_ref)
     if not rows:
@@ -201,7 +202,8 @@ def train_rft(params: Params, pi_ref: Path, d_ct: Path, out_dir: Path, loss_csv:
     builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
     sequences = encode_trajectories(rows, builder, environment_class(params.env.name)
                                     .command_grammar)
-    sft = params.sft.model_copy(update={"epochs": params.ppo.rft_epochs, "seed": params.ppo.seed})
+    sft = params.sft.model_copy(update={"epochs": params.ppo.rft_epochs, "lr": params.ppo.rft_lr,
+                                        "seed": params.ppo.seed})
     curve = LossCurve("sft", run_id)
     stats = train_sft(load_model(pi_ref, dtype=resolve_dtype(params.model.dtype)), tokenizer,
                       sequences, sft, params.model.dtype, curve, lora=params.ppo.lora,
