@@ -2,19 +2,21 @@
 
 ``pi_hind`` sees the task, the whole trajectory except response ``a_k`` (past *and* future
 turns) and the outcome, and must write ``a_k``. One example per turn. **Decision:** the
-trajectory is laid out as the policy saw it up to ``o_k``, the hindsight information (the turns
-after k, the outcome and the final observation) is appended to turn k's user message, and the
-empty assistant turn after it is the placeholder where ``a_k`` was. Everything before the block
-is byte-identical to the policy's prompt for turn k, so ``pi_hind`` starts from ``pi_ref``
-exactly where ``pi_ref`` writes ``a_k`` and only has to learn to read the block, which sits
-right before the target. The example is an ordinary chat episode, so the policy's prompt builder
-encodes it and the SFT loss trains it:
+hindsight information (the turns after k, the outcome and the final observation) is appended to
+the system text, and the rest is the policy's own sequence for turn k: the past turns, ``o_k``,
+and the assistant turn where ``a_k`` was. Everything after the system message is token for
+token what ``pi_ref`` reads when it writes ``a_k``, so ``pi_hind`` starts from ``pi_ref`` with
+the target's nearby context unchanged and only has to learn to read the block. (With the block
+right before ``a_k`` instead, ``pi_ref``'s mean token NLL of the target starts at 1.16 instead
+of 0.45 on held-out household rollouts, 0.22 without any block, and the fit did not recover.)
+The example is an ordinary chat episode, so the policy's prompt builder encodes it and the SFT
+loss trains it:
 
     system:    the task's system text
-    turns:     o_f, a_f, ..., o_k-1, a_k-1                  (the past, as the policy saw it)
-    user:      o_k
                + "Hindsight ... Later turns: [Observation] o_k+1 [Response] a_k+1 ...
                   Outcome: success (R = 1.00). Final observation: ..."
+    turns:     o_f, a_f, ..., o_k-1, a_k-1                  (the past, as the policy saw it)
+    user:      o_k
     assistant: a_k                                           (the only tokens with loss)
 
 Scoring reads ``log pi_hind(a_k^j | hindsight context)`` off the same sequence.
@@ -63,8 +65,8 @@ def hindsight_block(later: Sequence[tuple[str, str]], outcome: float, won: bool,
 def hindsight_example(builder: PromptBuilder, system: str, turns: Sequence[tuple[str, str]], k: int,
                       outcome: float, won: bool, final_observation: str,
                       window: Window = Window()) -> Encoded:
-    """The example for turn ``k``: the system text, the turns ``window`` keeps before k,
-    ``o_k`` with the hindsight block (the turns it keeps after k), and ``a_k`` (masked in).
+    """The example for turn ``k``: the system text with the hindsight block (the turns
+    ``window`` keeps after k), the turns it keeps before k, ``o_k``, and ``a_k`` (masked in).
     While the sequence is over ``builder.max_tokens`` the kept turn farthest from ``k`` is
     dropped (the later one on a tie)."""
     m = len(turns)
@@ -73,9 +75,7 @@ def hindsight_example(builder: PromptBuilder, system: str, turns: Sequence[tuple
     first, last = window.bounds(k, m)
     while True:
         block = hindsight_block(turns[k + 1:last + 1], outcome, won, final_observation)
-        obs_k, resp_k = turns[k]
-        enc = builder.encode(system, [*turns[:k], (f"{obs_k}\n\n{block}", resp_k)], first,
-                             train_from=k)
+        enc = builder.encode(f"{system}\n\n{block}", turns[:k + 1], first, train_from=k)
         if len(enc.input_ids) <= builder.max_tokens:
             return enc
         if first == last == k:

@@ -46,7 +46,7 @@ def _context(tokenizer, enc) -> str:
     return tokenizer.decode(enc.input_ids[:enc.response_mask.index(1)])
 
 
-def test_the_example_is_the_policy_prompt_with_the_future_and_outcome_after_o_k(rows, tokenizer):
+def test_the_example_is_the_policy_sequence_after_a_system_text_with_the_future(rows, tokenizer):
     builder = PromptBuilder(tokenizer, None, 4096)
     row = rows[1]
     system, turns = episode_of(row, GRAMMAR)
@@ -54,20 +54,22 @@ def test_the_example_is_the_policy_prompt_with_the_future_and_outcome_after_o_k(
     enc = hindsight_example(builder, system, turns, k, row["outcome"], row["won"],
                             row["final_observation"])
     context = _context(tokenizer, enc)
-    # Up to o_k the example is the policy's own sequence, token for token...
-    past = builder.encode(system, turns[:k]).input_ids
-    assert enc.input_ids[:len(past)] == past
-    # ...o_k follows, then the block: the later turns in order, the outcome...
-    trajectory, block = context[:context.index("Hindsight:")], context[context.index("Hindsight:"):]
+    # After the system message the example is the policy's own sequence up to a_k, token for
+    # token, so the target's nearby context is exactly pi_ref's...
+    policy = builder.encode(system, turns[:k + 1], train_from=k)
+    tail = len(policy.input_ids) - len(builder._system(system))
+    assert enc.input_ids[-tail:] == policy.input_ids[-tail:]
+    assert enc.response_mask[-tail:] == policy.response_mask[-tail:]
+    # ...and the system message holds the task text, then the block: the later turns in order,
+    # the outcome and the final observation.
+    head = tokenizer.decode(enc.input_ids[:len(enc.input_ids) - tail])
+    assert system in head and head.index(system) < head.index("Hindsight:")
+    block = head[head.index("Hindsight:"):]
     later = [block.index(f"[Response] {resp}") for _, resp in turns[k + 1:]]
     assert later == sorted(later) and len(later) == len(turns) - k - 1
     assert "Outcome: success (R = 1.00)" in block and row["final_observation"] in block
-    assert trajectory.rstrip().endswith(turns[k][0])
-    for obs, resp in turns[:k]:
-        assert obs in trajectory and resp in trajectory
-    # ...and a_k is nowhere before the target.
+    # a_k is nowhere before the target, and the masked tokens are a_k and its end-of-turn marker.
     assert turns[k][1] not in context
-    # The masked tokens are a_k and its end-of-turn marker, nothing else.
     target = builder._ids(turns[k][1]) + builder._asst_end
     assert [t for t, m in zip(enc.input_ids, enc.response_mask, strict=True) if m] == target
     assert enc.turn_ids[enc.response_mask.index(1)] == k
