@@ -51,7 +51,8 @@ class Window:
 
 def hindsight_block(later: Sequence[tuple[str, str]], outcome: float, won: bool,
                     final_observation: str) -> str:
-    """The text appended to ``o_k``: the turns after k, the outcome and the final observation."""
+    """The hindsight text for the system message: the turns after k, the outcome and the final
+    observation."""
     lines = ["Hindsight: how this episode went after the turn you are writing."]
     if later:
         lines.append("Later turns:")
