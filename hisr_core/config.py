@@ -158,6 +158,12 @@ class FitParams(Section):
 class SftParams(FitParams):
     """The ``sft`` stage: behaviour cloning of ``D_bc`` (NLL of response tokens only)."""
 
+    every_response: bool = False
+    """Train every response of each training sequence, not only the turns it was made for.
+    With a short ``model.history`` each turn has its own sequence holding ``history`` earlier
+    turns as context; this also trains those (seen there with less history than at inference),
+    so a step supervises up to ``history + 1`` times the tokens at the same cost."""
+
 
 class SprmParams(FitParams):
     """The ``sprm`` stage: the segment-level process reward model, fitted on ``D_st`` with the

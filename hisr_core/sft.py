@@ -35,20 +35,25 @@ IGNORE = -100
 
 # -- data ------------------------------------------------------------------------------------------
 def encode_trajectories(rows: Iterable[Mapping[str, Any]], builder: PromptBuilder,
-                        grammar: Sequence[str]) -> list[Encoded]:
+                        grammar: Sequence[str], every_response: bool = False) -> list[Encoded]:
     """Training sequences of ``D_bc`` rows (``instruction`` + ``turns`` of observation/response).
 
     Each episode becomes the sequences :meth:`PromptBuilder.training_sequences` makes, which
-    cover every response once with the context it has at inference. Inadmissible turns (an
-    expert's recovery demonstrations slip first) stay in context but carry no loss: the policy
-    learns to recover, not to slip.
+    cover every response once with the context it has at inference. ``every_response``: each
+    sequence also trains the context responses it holds (``sft.every_response``). Inadmissible
+    turns (an expert's recovery demonstrations slip first) stay in context but carry no loss:
+    the policy learns to recover, not to slip.
     """
     out: list[Encoded] = []
     for row in rows:
         system = system_text(row["instruction"], grammar)
         turns = [(t["observation"], t["response"]) for t in row["turns"]]
         learn = [bool(t.get("admissible", True)) for t in row["turns"]]
-        out.extend(builder.training_sequences(system, turns, learn))
+        seqs = builder.training_sequences(system, turns, learn)
+        if every_response:
+            seqs = [builder.encode(system, turns[:s.turns[-1] + 1], s.turns[0], learn=learn)
+                    for s in seqs]
+        out.extend(seqs)
     return out
 
 

@@ -50,7 +50,7 @@ def train(params: Params, base: str, d_bc_path: Path, out_dir: Path, loss_csv: P
     builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
     rows = contracts.read_rows(d_bc_path, "expert_trajectories")
     grammar = environment_class(params.env.name).command_grammar
-    sequences = encode_trajectories(rows, builder, grammar)
+    sequences = encode_trajectories(rows, builder, grammar, params.sft.every_response)
     curve = LossCurve("sft", run_id)
     stats = train_sft(model, tokenizer, sequences, params.sft, params.model.dtype, curve,
                       lora=params.model.lora, out_dir=out_dir)

@@ -75,6 +75,30 @@ def test_encode_trajectories_masks_exactly_the_responses(tokenizer):
     assert len(seqs) == sum(len(r["turns"]) - 1 for r in rows)
 
 
+def test_every_response_trains_the_context_turns_of_each_sequence(tokenizer):
+    rows = make_rows(3, seed=1)
+    rows[0]["turns"][1] = {**rows[0]["turns"][1], "admissible": False}  # a slip: never trained
+    builder = PromptBuilder(tokenizer, history=1)
+    plain = encode_trajectories(rows, builder, GRAMMAR)
+    every = encode_trajectories(rows, builder, GRAMMAR, every_response=True)
+    # Same sequences, token for token; only the loss mask grows.
+    assert [s.input_ids for s in every] == [s.input_ids for s in plain]
+    assert all(p <= e for a, b in zip(plain, every) for p, e in zip(a.response_mask, b.response_mask))
+    seqs = iter(every)
+    for i, row in enumerate(rows):
+        turns = row["turns"]
+        for last in range(1, len(turns)):  # history 1: sequences (0, 1), (1, 2), ...
+            seq = next(seqs)
+            assert seq.turns == (last - 1, last)
+            learned = [t for t, m in zip(seq.input_ids, seq.response_mask) if m]
+            want = "".join(turns[k]["response"] for k in seq.turns
+                           if turns[k].get("admissible", True))
+            assert tokenizer.decode(learned, skip_special_tokens=True) == want
+            if i == 0 and last == 2:  # the slip is context, not target
+                assert turns[1]["response"] not in tokenizer.decode(learned)
+    assert next(seqs, None) is None
+
+
 def test_labels_are_response_tokens_and_end_markers_never_padding(tokenizer):
     seqs = encode_trajectories(make_rows(6, seed=3), PromptBuilder(tokenizer), GRAMMAR)
     seqs = sorted(seqs, key=lambda s: len(s.input_ids))
