@@ -2,24 +2,29 @@
 
 ``pi_hind`` sees the task, the whole trajectory except response ``a_k`` (past *and* future
 turns) and the outcome, and must write ``a_k``. One example per turn. **Decision:** the
-hindsight information (the turns after k, the outcome and the final observation) is appended to
-the system text, and the rest is the policy's own sequence for turn k: the past turns, ``o_k``,
-and the assistant turn where ``a_k`` was. Everything after the system message is token for
-token what ``pi_ref`` reads when it writes ``a_k``, so ``pi_hind`` starts from ``pi_ref`` with
-the target's nearby context unchanged and only has to learn to read the block. (With the block
-right before ``a_k`` instead, ``pi_ref``'s mean token NLL of the target starts at 1.16 instead
-of 0.45 on held-out household rollouts, 0.22 without any block, and the fit did not recover.)
-The example is an ordinary chat episode, so the policy's prompt builder encodes it and the SFT
-loss trains it:
+hindsight information (the turns after k, the outcome and the final observation) is a block
+inserted into the system text, and the rest is the policy's own sequence for turn k: the past
+turns, ``o_k``, and the assistant turn where ``a_k`` was. ``pi_hind`` is ``pi_ref`` reading the
+block through gated attention (:mod:`hisr_core.gated_attention`): every token outside the block
+keeps the position it has without it, and a learned gate per layer and head is added to the
+attention logits of block keys. With the gates closed ``pi_hind`` *is* ``pi_ref`` on the target
+(same tokens, same positions); training opens them as far as the future and the outcome help.
+(Inserted as plain text instead, the block shifts every later position: ``pi_ref``'s mean token
+NLL of held-out household targets started at 0.45 instead of 0.22, 1.16 with the block right
+before ``a_k``, and after full fine-tuning, or LoRA, stayed above ``pi_ref``'s from the prefix:
+0.219 against 0.169.) The example is an ordinary chat episode plus the block's span
+(:attr:`~hisr_core.prompts.Encoded.block`), so the policy's prompt builder encodes it and the
+SFT loss trains it:
 
     system:    the task's system text
                + "Hindsight ... Later turns: [Observation] o_k+1 [Response] a_k+1 ...
-                  Outcome: success (R = 1.00). Final observation: ..."
+                  Outcome: success (R = 1.00). Final observation: ..."     (the block)
     turns:     o_f, a_f, ..., o_k-1, a_k-1                  (the past, as the policy saw it)
     user:      o_k
     assistant: a_k                                           (the only tokens with loss)
 
-Scoring reads ``log pi_hind(a_k^j | hindsight context)`` off the same sequence.
+Scoring reads ``log pi_hind(a_k^j | hindsight context)`` off the same sequence; a model folder
+of ``pi_hind`` is loaded with :func:`~hisr_core.gated_attention.load_gated`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from hisr_core.gated_attention import block_span
 from hisr_core.prompts import Encoded, PromptBuilder
 from hisr_core.scoring import episode_of, masked_logprobs
 
@@ -78,7 +84,8 @@ def hindsight_example(builder: PromptBuilder, system: str, turns: Sequence[tuple
         block = hindsight_block(turns[k + 1:last + 1], outcome, won, final_observation)
         enc = builder.encode(f"{system}\n\n{block}", turns[:k + 1], first, train_from=k)
         if len(enc.input_ids) <= builder.max_tokens:
-            return enc
+            plain = builder.encode(system, turns[:k + 1], first, train_from=k)
+            return dataclasses.replace(enc, block=block_span(plain.input_ids, enc.input_ids))
         if first == last == k:
             raise ValueError(f"the hindsight example of turn {k} alone needs "
                              f"{len(enc.input_ids)} tokens > max_tokens={builder.max_tokens}")

@@ -18,6 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from hisr_core.gated_attention import forward_kwargs
 from hisr_core.prompts import Encoded, PromptBuilder, system_text
 from hisr_core.training import lm_parts
 
@@ -56,9 +57,11 @@ def right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
 
 
 def scored_logits(model: nn.Module, ids: torch.Tensor, keep: torch.Tensor,
-                  parts: tuple[nn.Module, nn.Linear] | None = None) -> torch.Tensor:
+                  parts: tuple[nn.Module, nn.Linear] | None = None,
+                  **extra: torch.Tensor) -> torch.Tensor:
     """Next-token logits at the kept positions only (the rest never reach the LM head).
     ``parts``: :func:`~hisr_core.training.lm_parts` of ``model`` (``None``: its own forward).
+    ``extra``: more forward arguments (a gated block's, :func:`forward_kwargs`).
 
     Shape: ids [B, T] right-padded, keep [B, T-1] bool (position t predicts token t+1) →
     [N, V] float32, N the kept positions in row-major order.
@@ -66,9 +69,9 @@ def scored_logits(model: nn.Module, ids: torch.Tensor, keep: torch.Tensor,
     # No attention mask: with right padding and causal attention a real token never sees a
     # pad, so attention keeps its fast causal path (an explicit mask is materialised).
     if parts is None:
-        return model(input_ids=ids, use_cache=False).logits[:, :-1][keep].float()
+        return model(input_ids=ids, use_cache=False, **extra).logits[:, :-1][keep].float()
     backbone, head = parts
-    hidden = backbone(input_ids=ids, use_cache=False).last_hidden_state
+    hidden = backbone(input_ids=ids, use_cache=False, **extra).last_hidden_state
     return head(hidden[:, :-1][keep]).float()
 
 
@@ -81,10 +84,12 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 def token_logprobs(model: PreTrainedModel, seqs: Sequence[Sequence[int]], pad_id: int,
                    max_batch_tokens: int = 8192,
                    score: Sequence[Sequence[int]] | None = None,
-                   progress: str | None = None) -> list[torch.Tensor]:
+                   progress: str | None = None,
+                   blocks: Sequence[tuple[int, int] | None] | None = None) -> list[torch.Tensor]:
     """Per sequence, ``log p(x_t | x_<t)`` for t = 1..T-1, or only where ``score[i][t]`` is
     set (then only those positions go through the LM head and the softmax). ``progress``:
-    the label of a progress bar over the sequences (none if ``None``).
+    the label of a progress bar over the sequences (none if ``None``). ``blocks``: per
+    sequence, the span of a block read through gated attention (:attr:`Encoded.block`).
 
     Shape: sequence i of length T_i → (T_i - 1,) float32 on CPU, or (M_i,) with M_i the set
     positions t >= 1 of ``score[i]``. Batches hold at most ``max_batch_tokens`` padded tokens
@@ -106,7 +111,8 @@ def token_logprobs(model: PreTrainedModel, seqs: Sequence[Sequence[int]], pad_id
             keep[j, :len(seqs[i]) - 1] = (torch.tensor(list(score[i][1:]), dtype=torch.bool)
                                           if score is not None else True)
         ids, keep = ids.to(device), keep.to(device)
-        logits = scored_logits(model, ids, keep, parts)
+        extra = forward_kwargs([blocks[i] for i in batch], ids.shape[1], device) if blocks else {}
+        logits = scored_logits(model, ids, keep, parts, **extra)
         logp = target_logprobs(logits, ids[:, 1:][keep]).cpu()
         counts = keep.sum(dim=1).tolist()
         for i, piece in zip(batch, torch.split(logp, counts), strict=True):
@@ -124,7 +130,8 @@ def masked_logprobs(model: PreTrainedModel, encoded: Sequence[Encoded], pad_id: 
     if any(enc.response_mask and enc.response_mask[0] for enc in encoded):
         raise ValueError("a masked token at position 0 has no context to be scored from")
     return token_logprobs(model, [enc.input_ids for enc in encoded], pad_id, max_batch_tokens,
-                          score=[enc.response_mask for enc in encoded], progress=progress)
+                          score=[enc.response_mask for enc in encoded], progress=progress,
+                          blocks=[enc.block for enc in encoded])
 
 
 def scoring_sequences(builder: PromptBuilder, system: str,

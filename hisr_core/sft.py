@@ -15,7 +15,7 @@ Usage (the ``sft`` task)::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 from hisr_core.config import FitParams, LoraParams
 from hisr_core.fit import LogFn, fit, setup
+from hisr_core.gated_attention import forward_kwargs
 from hisr_core.prompts import Encoded, PromptBuilder, system_text
 from hisr_core.scoring import right_pad
 from hisr_core.training import lm_parts
@@ -65,11 +66,14 @@ class Batch:
         input_ids: token ids, ``pad_id`` after the end of a sequence.
         attention_mask: 1 on real tokens, 0 on padding.
         labels: the token id where it is a response token, else -100 (prompt, observation, pad).
+    ``blocks``: per row, the span of a block read through gated attention, or ``None``
+    (empty: no row has one).
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor
+    blocks: tuple[tuple[int, int] | None, ...] = ()
 
     @property
     def n_tokens(self) -> int:
@@ -82,10 +86,14 @@ class Batch:
         return int((self.labels[:, 1:] != IGNORE).sum())
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(*(t.to(device, non_blocking=True) for t in dataclasses.astuple(self)))
+        return dataclasses.replace(self, **{
+            f: getattr(self, f).to(device, non_blocking=True)
+            for f in ("input_ids", "attention_mask", "labels")})
 
     def inputs(self) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids, "labels": self.labels}
+        extra = (forward_kwargs(self.blocks, self.input_ids.shape[1], self.input_ids.device)
+                 if self.blocks else {})
+        return {"input_ids": self.input_ids, "labels": self.labels, **extra}
 
 
 def collate(sequences: Sequence[Encoded], pad_id: int) -> Batch:
@@ -99,7 +107,8 @@ def collate(sequences: Sequence[Encoded], pad_id: int) -> Batch:
         n = len(seq.input_ids)
         mask = torch.tensor(seq.response_mask, dtype=torch.bool)
         labels[b, :n] = torch.where(mask, ids[b, :n], torch.full_like(ids[b, :n], IGNORE))
-    return Batch(ids, attn, labels)
+    blocks = tuple(s.block for s in sequences)
+    return Batch(ids, attn, labels, blocks if any(b is not None for b in blocks) else ())
 
 
 # -- loss ------------------------------------------------------------------------------------------
@@ -110,8 +119,10 @@ class ResponseNLL(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                **extra: torch.Tensor) -> torch.Tensor:
         """``sum_t -log p(labels_t | input_ids_<t)`` over labelled positions ``t >= 1``.
+        ``extra``: more forward arguments (a gated block's, see :attr:`Batch.blocks`).
 
         Shape: input_ids, labels [B, T] → scalar.
 
@@ -123,11 +134,11 @@ class ResponseNLL(nn.Module):
         keep = targets != IGNORE
         parts = lm_parts(self.model)
         if parts is None:
-            logits = self.model(input_ids=input_ids, use_cache=False).logits[:, :-1][keep]
+            logits = self.model(input_ids=input_ids, use_cache=False, **extra).logits[:, :-1][keep]
         else:
             # Project only the scored positions through the LM head (often a third of all).
             backbone, head = parts
-            hidden = backbone(input_ids=input_ids, use_cache=False).last_hidden_state
+            hidden = backbone(input_ids=input_ids, use_cache=False, **extra).last_hidden_state
             logits = head(hidden[:, :-1][keep])
         return F.cross_entropy(logits.float(), targets[keep], reduction="sum")
 
@@ -135,7 +146,8 @@ class ResponseNLL(nn.Module):
 def train_sft(model: nn.Module, tokenizer: PreTrainedTokenizerBase, sequences: Sequence[Encoded],
               sft: FitParams, dtype: str | torch.dtype = "auto", on_log: LogFn | None = None,
               progress: bool = True, *, lora: LoraParams | None = None,
-              out_dir: str | Path | None = None, name: str = "sft") -> dict[str, Any]:
+              out_dir: str | Path | None = None, name: str = "sft",
+              extra: Callable[[Path], None] | None = None) -> dict[str, Any]:
     """Train ``model`` on the masked-in (response) tokens of ``sequences``; optionally save it.
 
     Collective when launched on several processes (``torchrun``, ``deepspeed``): every rank
@@ -143,7 +155,8 @@ def train_sft(model: nn.Module, tokenizer: PreTrainedTokenizerBase, sequences: S
     ``losses/<name>`` (global mean token NLL of the step), ``perf/tokens_per_s``, ``optim/lr``
     and ``optim/grad_norm``. ``model`` is trained in place (wrapped with LoRA first when
     ``lora.enabled``); with ``out_dir`` the result is written there as a plain Hugging Face
-    folder (adapters merged) with ``tokenizer``.
+    folder (adapters merged) with ``tokenizer``, and ``extra(folder)`` adds its own files
+    before the folder appears.
 
     Returns the summary: ``steps``, ``loss`` (last step), ``tokens``, ``response_tokens``,
     ``seconds``, ``tokens_per_s``, ``backend``, ``world_size``.
@@ -154,6 +167,6 @@ def train_sft(model: nn.Module, tokenizer: PreTrainedTokenizerBase, sequences: S
                         lambda idx: collate([sequences[i] for i in idx], pad_id), sft, info,
                         backend, dtype, name=name, on_log=on_log, progress=progress)
     if out_dir is not None:
-        engine.save(out_dir, tokenizer)
+        engine.save(out_dir, tokenizer, extra)
     stats["response_tokens"] = stats.pop("units")
     return stats

@@ -188,7 +188,11 @@ def apply_lora(model: nn.Module, lora: LoraParams | None) -> nn.Module:
         return model
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    wrapped = get_peft_model(model, config)
+    for p in wrapped.parameters():
+        if getattr(p, OWN_LR, None) is not None:
+            p.requires_grad_(True)  # peft froze everything but the adapters
+    return wrapped
 
 
 def unwrap_hf(model: nn.Module) -> nn.Module:
@@ -218,14 +222,23 @@ def lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     return backbone, head
 
 
+#: A parameter carrying this attribute (a float) trains at that peak learning rate instead of
+#: the stage's, without weight decay, and stays trainable under LoRA (the hindsight gates).
+OWN_LR = "own_lr"
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Trainable parameters in two AdamW groups: matrices decay, biases and norm weights do not."""
-    decay, no_decay = [], []
+    """Trainable parameters in AdamW groups: matrices decay, biases and norm weights do not;
+    parameters with :data:`OWN_LR` get a group with that learning rate each."""
+    decay, no_decay, own = [], [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            if getattr(p, OWN_LR, None) is not None:
+                own.append({"params": [p], "weight_decay": 0.0, "lr": getattr(p, OWN_LR)})
+            else:
+                (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+              {"params": no_decay, "weight_decay": 0.0}, *own]
     return [g for g in groups if g["params"]]
 
 
@@ -346,15 +359,17 @@ class Engine:
         else:
             yield
 
-    def save(self, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
-        """Write the model as a plain Hugging Face folder (LoRA merged) on rank 0, atomically.
+    def save(self, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None,
+             extra: Callable[[Path], None] | None = None) -> Path:
+        """Write the model as a plain Hugging Face folder (LoRA merged) on rank 0, atomically
+        (``extra(folder)`` adds files of its own, as in :func:`save_model_folder`).
 
         Collective: every rank must call it (ZeRO-3 gathers the partitioned weights first).
         """
         out_dir = Path(out_dir)
         with self.full_weights():
             if self.info.is_main:
-                save_model_folder(self.model, out_dir, tokenizer)
+                save_model_folder(self.model, out_dir, tokenizer, extra)
         barrier()
         return out_dir
 

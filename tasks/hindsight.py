@@ -11,6 +11,7 @@ from hisr_core import contracts
 from hisr_core.config import Params
 from hisr_core.envs import environment_class
 from hisr_core.fit import split_by_task
+from hisr_core.gated_attention import attach_gates, gate_values, load_gated, save_gates
 from hisr_core.hindsight import Window, hindsight_logprobs, trajectory_examples
 from hisr_core.models import load_model, load_tokenizer
 from hisr_core.prompts import PromptBuilder
@@ -47,14 +48,19 @@ def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_
     if not examples:
         raise ValueError(f"{d_ct} has no training trajectories")
     curve = LossCurve("hindsight", run_id)
-    stats = train_sft(load_model(pi_ref, dtype=dtype), tokenizer, examples, cfg,
-                      params.model.dtype, curve, lora=cfg.lora, out_dir=out_dir,
-                      name="hindsight")
+    model = load_model(pi_ref, dtype=dtype)
+    attach_gates(model, cfg.gate_init, cfg.gate_lr)
+    stats = train_sft(model, tokenizer, examples, cfg, params.model.dtype, curve, lora=cfg.lora,
+                      out_dir=out_dir, name="hindsight",
+                      extra=lambda folder: save_gates(model, folder))
     curve.write_csv(loss_csv)
-    report: dict[str, Any] = {"fit": {**stats, "examples": len(examples)}}
+    gates = gate_values(model)
+    report: dict[str, Any] = {"fit": {**stats, "examples": len(examples)},
+                              "gates": {"mean": float(gates.mean()), "max": float(gates.max()),
+                                        "min": float(gates.min())}}
     if held_idx:
         held = [rows[i] for i in held_idx]
-        hind = hindsight_logprobs(load_model(out_dir, dtype=dtype).eval(), builder, held,
+        hind = hindsight_logprobs(load_gated(out_dir, dtype=dtype).eval(), builder, held,
                                   grammar, window, progress="held-out pi_hind")
         ref = turn_logprobs(load_model(pi_ref, dtype=dtype).eval(), builder,
                             [episode_of(r, grammar) for r in held], progress="held-out pi_ref")

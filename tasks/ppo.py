@@ -14,6 +14,7 @@ import torch
 from hisr_core import contracts
 from hisr_core.config import Params
 from hisr_core.envs import Task, environment_class, make_environment
+from hisr_core.gated_attention import load_gated
 from hisr_core.hindsight import Window
 from hisr_core.models import load_model, load_tokenizer
 from hisr_core.ppo_loop import (
@@ -94,7 +95,7 @@ def _frozen(params: Params, variant: str, pi_ref: Path, pi_hind: Path, sprm: Pat
     return Frozen(
         # A LoRA policy scores pi_ref itself, with its adapters disabled.
         ref=lm(pi_ref) if need["ref"] and not params.ppo.lora.enabled else None,
-        hind=lm(pi_hind) if need["hind"] else None,
+        hind=load_gated(pi_hind, dtype=dtype).to(dev).eval() if need["hind"] else None,
         sprm=load_sprm(sprm / "model", dtype)[0].to(dev) if need["sprm"] else None,
         turn_sprm=load_sprm(sprm / "turn_model", dtype)[0].to(dev) if need["turn_sprm"] else None)
 

@@ -14,6 +14,7 @@ import torch
 from hisr_core import contracts
 from hisr_core.config import Params
 from hisr_core.envs import environment_class
+from hisr_core.gated_attention import load_gated
 from hisr_core.hindsight import Window, hindsight_logprobs
 from hisr_core.models import load_model, load_tokenizer
 from hisr_core.prompts import PromptBuilder
@@ -49,7 +50,7 @@ def score(params: Params, d_st: Path, pi_ref: Path, pi_hind: Path, sprm: Path,
     policy = turn_logprobs(load_model(pi_ref, dtype=dtype).eval(), builder,
                            [episode_of(r, grammar) for r in rows], cfg.max_batch_tokens,
                            progress="score pi_ref")
-    hind = hindsight_logprobs(load_model(pi_hind, dtype=dtype).eval(), builder, rows, grammar,
+    hind = hindsight_logprobs(load_gated(pi_hind, dtype=dtype).eval(), builder, rows, grammar,
                               Window(params.hindsight.past, params.hindsight.future),
                               cfg.max_batch_tokens,
                               progress="score pi_hind")

@@ -8,8 +8,18 @@ import math
 import pytest
 import torch
 
-from hisr_core.config import HindsightParams
+from hisr_core.config import HindsightParams, LoraParams
 from hisr_core.envs import environment_class
+from hisr_core.gated_attention import (
+    GATES_FILE,
+    attach_gates,
+    block_inputs,
+    block_span,
+    forward_kwargs,
+    gate_values,
+    load_gated,
+    save_gates,
+)
 from hisr_core.hindsight import (
     Window,
     hindsight_example,
@@ -20,6 +30,7 @@ from hisr_core.models import build_builtin, load_model, load_tokenizer
 from hisr_core.prompts import PromptBuilder
 from hisr_core.scoring import episode_of, masked_logprobs, turn_logprobs
 from hisr_core.sft import train_sft
+from hisr_core.training import apply_lora, param_groups
 from tests.household_data import rollout_rows
 
 GRAMMAR = environment_class("household").command_grammar
@@ -105,17 +116,48 @@ def test_window_and_truncation_drop_the_farthest_turns(rows, tokenizer):
         example(60)
 
 
+def gated(tiny_dir, gate: float):
+    model = load_model(tiny_dir).eval()
+    attach_gates(model, gate)
+    return model
+
+
+def test_block_span_and_positions():
+    assert block_span([1, 2, 3, 4], [1, 2, 9, 9, 3, 4]) == (2, 4)
+    assert block_span([1, 2], [1, 2, 7]) == (2, 3)
+    assert block_span([5, 5], [5, 5, 5]) == (2, 3)  # ambiguous repeats: the longest prefix
+    with pytest.raises(ValueError, match="one insertion"):
+        block_span([1, 2, 3], [1, 9, 3, 9])
+    positions, block = block_inputs([(1, 3), (6, 6)], 6)
+    # Row 0: token 0, block tokens 1-2 at 1, 2, then tokens 3.. continue from 1 as if the
+    # block were absent. Row 1 has no block: 0..5.
+    assert positions.tolist() == [[0, 1, 2, 1, 2, 3], [0, 1, 2, 3, 4, 5]]
+    assert block.tolist() == [[False, True, True, False, False, False], [False] * 6]
+
+
+def test_closed_gates_are_exactly_pi_ref_and_open_ones_read_the_block(rows, tiny_dir, tokenizer):
+    builder = PromptBuilder(tokenizer, None, 4096)
+    policy = turn_logprobs(load_model(tiny_dir).eval(), builder,
+                           [episode_of(r, GRAMMAR) for r in rows])
+    closed = hindsight_logprobs(gated(tiny_dir, -1e4), builder, rows, GRAMMAR, Window(None, 2))
+    opened = hindsight_logprobs(gated(tiny_dir, 0.0), builder, rows, GRAMMAR, Window(None, 2))
+    flat = [torch.cat(ep) for ep in (policy, closed, opened) for ep in [sum(ep, [])]]
+    assert torch.allclose(flat[1], flat[0], atol=1e-5, rtol=0)
+    assert float((flat[2] - flat[0]).abs().max()) > 1e-3
+
+
 @pytest.mark.parametrize("window", [Window(), Window(1, 2)], ids=["all", "past-1-future-2"])
 def test_batched_hindsight_scores_equal_one_at_a_time(rows, tiny_dir, tokenizer, window):
-    model = load_model(tiny_dir).eval()
+    model = gated(tiny_dir, -1.0)
     builder = PromptBuilder(tokenizer, None, 4096)
     batched = hindsight_logprobs(model, builder, rows, GRAMMAR, window, max_batch_tokens=900)
     policy = turn_logprobs(model, builder, [episode_of(r, GRAMMAR) for r in rows])
     for row, got, pol in zip(rows, batched, policy, strict=True):
         assert [len(x) for x in got] == [len(x) for x in pol]
         for k, enc in enumerate(trajectory_examples(builder, row, GRAMMAR, window)):
+            extra = forward_kwargs([enc.block], len(enc.input_ids), torch.device("cpu"))
             with torch.inference_mode():
-                logits = model(torch.tensor([enc.input_ids])).logits[0].float()
+                logits = model(torch.tensor([enc.input_ids]), **extra).logits[0].float()
             logp = torch.log_softmax(logits[:-1], -1).gather(
                 -1, torch.tensor(enc.input_ids[1:])[:, None]).squeeze(-1)
             want = logp[torch.tensor(enc.response_mask[1:], dtype=torch.bool)]
@@ -130,15 +172,42 @@ def test_masked_logprobs_rejects_a_target_without_context(tokenizer, tiny_dir):
         masked_logprobs(load_model(tiny_dir), [bad], 0)
 
 
-def test_hindsight_training_smoke(rows, tiny_dir, tokenizer):
+def test_hindsight_training_smoke(rows, tiny_dir, tokenizer, tmp_path):
     builder = PromptBuilder(tokenizer, None, 4096)
     examples = [e for r in rows for e in trajectory_examples(builder, r, GRAMMAR, Window(2, 2))]
     assert len(examples) == sum(r["n_turns"] for r in rows)
     logs = []
     params = HindsightParams(backend="torch", max_steps=2, log_every=1, micro_batch_size=4)
     model = load_model(tiny_dir)
+    attach_gates(model, params.gate_init, params.gate_lr)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out = tmp_path / "pi_hind"
     train_sft(model, tokenizer, examples, params, "float32", lambda s, m: logs.append(m),
-              progress=False, name="hindsight")
+              progress=False, name="hindsight", out_dir=out,
+              extra=lambda folder: save_gates(model, folder))
     assert [math.isfinite(m["losses/hindsight"]) for m in logs] == [True, True]
+    # Every weight and every gate moved (the gates by about gate_lr a step: Adam).
     assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert (gate_values(model) != params.gate_init).all()
+    # The folder holds a plain model plus the gates; load_gated restores both.
+    from safetensors import safe_open
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert not [k for k in f.keys() if k.endswith("hind_gate")]
+    loaded = load_gated(out).eval()
+    assert torch.equal(gate_values(loaded), gate_values(model))
+    model.eval()
+    builder4 = PromptBuilder(tokenizer, None, 4096)
+    a = hindsight_logprobs(model, builder4, rows[:2], GRAMMAR, Window(2, 2))
+    b = hindsight_logprobs(loaded, builder4, rows[:2], GRAMMAR, Window(2, 2))
+    assert all(torch.allclose(x, y, atol=1e-6) for ea, eb in zip(a, b) for x, y in zip(ea, eb))
+    with pytest.raises(FileNotFoundError, match=GATES_FILE):
+        load_gated(tiny_dir)
+
+
+def test_gates_keep_their_learning_rate_and_train_under_lora(tiny_dir):
+    model = load_model(tiny_dir)
+    gates = attach_gates(model, -8.0, lr=0.05)
+    wrapped = apply_lora(model, LoraParams(enabled=True, r=2, alpha=4))
+    assert all(g.requires_grad for g in gates)
+    groups = param_groups(wrapped, 0.01)
+    assert sorted(g["lr"] for g in groups if "lr" in g) == [0.05] * len(gates)

@@ -1,0 +1,196 @@
+"""Gated attention to an inserted block of tokens: how ``pi_hind`` reads the hindsight block
+while starting exactly from ``pi_ref`` (METHOD.md stage 5; see :mod:`hisr_core.hindsight`).
+
+A hindsight example is ``pi_ref``'s own sequence for turn k with a block of tokens (the later
+turns and the outcome) inserted into the system message. Inserted as plain text, the block
+changes what every later token attends to *and* its position, so the target's relative
+distances to its whole context shift (RoPE) and ``pi_ref`` starts far worse than from the prefix
+alone. Here instead:
+
+* positions: every token outside the block keeps the position it has without the block; block
+  token i sits at ``start + i`` (overlapping the tokens after it, which RoPE tolerates: only
+  relative distances matter);
+* attention: each layer l and query head h adds a learned gate ``g[l, h]`` to the attention
+  logits of every block key. ``g -> -inf`` is exactly ``pi_ref`` on the tokens outside the
+  block; training opens the gates (and may tune the weights) as far as the block helps.
+
+The gate rides in the causal fast path of SDPA as one extra query/key channel:
+``q' = [q, 1/scale]``, ``k' = [k, g * block]``, so ``scale * q'.k' = scale * q.k + g * block``. The gates are a parameter ``hind_gate`` of shape (heads,) on every
+attention module; :func:`save_gates` writes them beside the Hugging Face folder (the weights
+file holds the plain model) and :func:`load_gated` restores them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hisr_core.training import OWN_LR, unwrap_hf
+
+ATTN_IMPLEMENTATION = "hisr_gated_sdpa"
+GATES_FILE = "hindsight_gates.safetensors"
+GATE_PARAM = "hind_gate"
+
+
+# -- the block and its positions -------------------------------------------------------------------
+def block_span(plain: Sequence[int], with_block: Sequence[int]) -> tuple[int, int]:
+    """``[start, end)`` of the tokens ``with_block`` inserts into ``plain``: the longest common
+    prefix and suffix, so that ``with_block`` without its span is exactly ``plain``."""
+    if len(with_block) < len(plain):
+        raise ValueError("the sequence with the block is shorter than the plain one")
+    start = 0
+    while start < len(plain) and plain[start] == with_block[start]:
+        start += 1
+    tail = 0
+    while tail < len(plain) - start and plain[-1 - tail] == with_block[-1 - tail]:
+        tail += 1
+    if start + tail != len(plain):
+        raise ValueError("the sequence with the block is not the plain one with one insertion")
+    return start, len(with_block) - tail
+
+
+def block_inputs(spans: Sequence[tuple[int, int]], width: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids and block mask of right-padded rows with one block each.
+
+    Shape: B spans, ``width`` T → position_ids [B, T] long, block [B, T] bool. Outside the block
+    a token's position counts the non-block tokens before it; block token i is at
+    ``start + i``. Padding continues the count (it is never scored).
+    """
+    idx = torch.arange(width)[None, :]
+    start = torch.tensor([s for s, _ in spans])[:, None]
+    end = torch.tensor([e for _, e in spans])[:, None]
+    block = (idx >= start) & (idx < end)
+    return torch.where(block, idx, torch.cumsum(~block, dim=1) - 1), block
+
+
+# -- the attention function ------------------------------------------------------------------------
+def gated_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, dropout: float = 0.0,
+               scaling: float | None = None, is_causal: bool | None = None,
+               hind_block: torch.Tensor | None = None, **kwargs: Any
+               ) -> tuple[torch.Tensor, None]:
+    """Transformers' SDPA attention, plus ``g[h]`` on the logits of block keys when the forward
+    call passes ``hind_block`` ([B, T] bool). Shape: query [B, H, T, D], key and value
+    [B, H_kv, T, D] → ([B, T, H, D], None)."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    if hind_block is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    if query.shape[2] != key.shape[2]:
+        raise ValueError("gated attention scores whole sequences (no cache)")
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    gate = getattr(module, GATE_PARAM).to(query.dtype)
+    b, h, t, d = query.shape
+    # The gate channel, then zeros to a multiple of 8: an odd head width leaves SDPA's fused
+    # kernel for the math one (~4x slower forward and backward on a CPU).
+    pad = -(d + 1) % 8
+    zeros = query.new_zeros((b, h, t, pad))
+    q_gate = query.new_full((b, h, t, 1), 1.0 / scale)
+    k_gate = (gate[None, :, None, None] * hind_block[:, None, :, None].to(query.dtype)
+              ).expand(b, h, t, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        torch.cat([query, q_gate, zeros], dim=-1), torch.cat([key, k_gate, zeros], dim=-1),
+        torch.cat([value, value.new_zeros((b, h, t, pad + 1))], dim=-1),
+        attn_mask=attention_mask, dropout_p=dropout, scale=scale,
+        is_causal=attention_mask is None)
+    return out[..., :value.shape[-1]].transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if ATTN_IMPLEMENTATION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTN_IMPLEMENTATION, gated_sdpa)
+        # The same masks as SDPA: a padded batch without the block still gets its mask.
+        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+# -- gates on a model ------------------------------------------------------------------------------
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules of a Hugging Face decoder, in layer order."""
+    found = [m for m in unwrap_hf(model).modules()
+             if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no attention modules with a layer index; "
+                         "gated hindsight attention supports Hugging Face decoder models")
+    return sorted(found, key=lambda m: m.layer_idx)
+
+
+def attach_gates(model: nn.Module, init: float, lr: float | None = None) -> list[nn.Parameter]:
+    """Give every attention layer of ``model`` a gate per query head (value ``init``) and switch
+    it to gated attention; ``lr``: the gates' own peak learning rate in training
+    (:data:`~hisr_core.training.OWN_LR`). Returns the gates, layer by layer."""
+    _register()
+    hf = unwrap_hf(model)
+    heads = hf.config.get_text_config().num_attention_heads
+    gates = []
+    for m in attention_modules(hf):
+        if not hasattr(m, GATE_PARAM):
+            param = next(m.parameters())
+            m.register_parameter(GATE_PARAM, nn.Parameter(
+                torch.full((heads,), float(init), dtype=torch.float32, device=param.device)))
+        gates.append(getattr(m, GATE_PARAM))
+        setattr(gates[-1], OWN_LR, lr)
+    hf.set_attn_implementation(ATTN_IMPLEMENTATION)
+    # The weights file stays a plain model; the gates have a file of their own.
+    ignore = {name for name, _ in hf.named_parameters() if name.endswith("." + GATE_PARAM)}
+    hf._keys_to_ignore_on_save = set(hf._keys_to_ignore_on_save or ()) | ignore
+    return gates
+
+
+def gate_values(model: nn.Module) -> torch.Tensor:
+    """The gates of a gated model. Shape: [layers, heads]."""
+    return torch.stack([getattr(m, GATE_PARAM).detach().float().cpu()
+                        for m in attention_modules(model)])
+
+
+def save_gates(model: nn.Module, folder: str | Path) -> None:
+    """Write the gates into a model folder (next to the weights file)."""
+    from safetensors.torch import save_file
+
+    save_file({"gates": gate_values(model)}, str(Path(folder) / GATES_FILE))
+
+
+def load_gated(path: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
+    """A gated model folder (written with :func:`save_gates`) with its gates in place."""
+    from safetensors.torch import load_file
+
+    from hisr_core.models import load_model
+
+    gates_file = Path(path) / GATES_FILE
+    if not gates_file.is_file():
+        raise FileNotFoundError(f"{path} has no {GATES_FILE}: not a hindsight model folder "
+                                "(rerun the hindsight stage)")
+    values = load_file(str(gates_file))["gates"]
+    model = load_model(path, dtype=dtype)
+    gates = attach_gates(model, 0.0)
+    if values.shape != (len(gates), gates[0].numel()):
+        raise ValueError(f"{gates_file}: gates of shape {tuple(values.shape)} do not fit a model "
+                         f"of {len(gates)} layers × {gates[0].numel()} heads")
+    with torch.no_grad():
+        for gate, value in zip(gates, values, strict=True):
+            gate.copy_(value)
+    return model
+
+
+def forward_kwargs(spans: Sequence[tuple[int, int] | None], width: int,
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """The extra forward arguments of a right-padded batch whose rows may carry a block
+    (``{}`` when none does). A row without one gets an empty span at its end."""
+    if all(s is None for s in spans):
+        return {}
+    filled = [s if s is not None else (width, width) for s in spans]
+    positions, block = block_inputs(filled, width)
+    return {"position_ids": positions.to(device), "hind_block": block.to(device),
+            # An explicit all-ones mask keeps transformers from reading the overlapping
+            # positions as packed sequences; right padding needs no other mask (causal).
+            "attention_mask": torch.ones_like(block, dtype=torch.long, device=device)}
