@@ -211,11 +211,15 @@ class HindsightParams(FitParams):
     holdout: float = Field(0.2, ge=0.0, lt=1.0)
     """Share of tasks held out to compare ``pi_hind``'s NLL with ``pi_ref``'s."""
 
-    gate_init: float = Field(-8.0, le=0.0)
+    block_at: Literal["system", "turn"] = "turn"
+    """Positions the hindsight block is read at: ``system`` where it sits (after the system
+    text), ``turn`` just before the masked turn's observation (the recent context)."""
+
+    gate_init: float = Field(-6.0, le=0.0)
     """Initial gate on the attention logits of the hindsight block's tokens, every layer and
     head (``-inf`` would be exactly ``pi_ref``; the more negative, the slower it opens)."""
 
-    gate_lr: float = Field(0.05, gt=0.0)
+    gate_lr: float = Field(0.1, gt=0.0)
     """Peak learning rate of the gates (the weights use ``lr``)."""
 
     lora: LoraParams = Field(default_factory=LoraParams)

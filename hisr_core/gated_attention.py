@@ -11,13 +11,16 @@ alone. Here instead:
   token i sits at ``start + i`` (overlapping the tokens after it, which RoPE tolerates: only
   relative distances matter);
 * attention: each layer l and query head h adds a learned gate ``g[l, h]`` to the attention
-  logits of every block key. ``g -> -inf`` is exactly ``pi_ref`` on the tokens outside the
+  logits from every token outside the block to every block token (the block reads itself,
+  causally, as plain text). ``g -> -inf`` is exactly ``pi_ref`` on the tokens outside the
   block; training opens the gates (and may tune the weights) as far as the block helps.
 
 The gate rides in the causal fast path of SDPA as one extra query/key channel:
-``q' = [q, 1/scale]``, ``k' = [k, g * block]``, so ``scale * q'.k' = scale * q.k + g * block``. The gates are a parameter ``hind_gate`` of shape (heads,) on every
-attention module; :func:`save_gates` writes them beside the Hugging Face folder (the weights
-file holds the plain model) and :func:`load_gated` restores them.
+``q' = [q, (1 - block_q) / scale]``, ``k' = [k, g * block_k]``, so
+``scale * q'.k' = scale * q.k + g * (1 - block_q) * block_k``. The gates are a parameter
+``hind_gate`` of shape (heads,) on every attention module; :func:`save_gates` writes them
+beside the Hugging Face folder (the weights file holds the plain model) and
+:func:`load_gated` restores them.
 """
 
 from __future__ import annotations
@@ -53,19 +56,19 @@ def block_span(plain: Sequence[int], with_block: Sequence[int]) -> tuple[int, in
     return start, len(with_block) - tail
 
 
-def block_inputs(spans: Sequence[tuple[int, int]], width: int
+def block_inputs(spans: Sequence[tuple[int, int, int]], width: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position ids and block mask of right-padded rows with one block each.
+    """Position ids and block mask of right-padded rows with one block ``(start, end, at)``
+    each: tokens ``start..end-1`` are the block, block token i sits at position ``at + i``.
 
     Shape: B spans, ``width`` T → position_ids [B, T] long, block [B, T] bool. Outside the block
-    a token's position counts the non-block tokens before it; block token i is at
-    ``start + i``. Padding continues the count (it is never scored).
+    a token's position counts the non-block tokens before it. Padding continues the count (it
+    is never scored).
     """
     idx = torch.arange(width)[None, :]
-    start = torch.tensor([s for s, _ in spans])[:, None]
-    end = torch.tensor([e for _, e in spans])[:, None]
+    start, end, at = (torch.tensor([s[j] for s in spans])[:, None] for j in range(3))
     block = (idx >= start) & (idx < end)
-    return torch.where(block, idx, torch.cumsum(~block, dim=1) - 1), block
+    return torch.where(block, at + idx - start, torch.cumsum(~block, dim=1) - 1), block
 
 
 # -- the attention function ------------------------------------------------------------------------
@@ -93,7 +96,8 @@ def gated_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     # kernel for the math one (~4x slower forward and backward on a CPU).
     pad = -(d + 1) % 8
     zeros = query.new_zeros((b, h, t, pad))
-    q_gate = query.new_full((b, h, t, 1), 1.0 / scale)
+    # Only queries outside the block are gated: the block reads itself as plain text.
+    q_gate = (~hind_block)[:, None, :, None].to(query.dtype).expand(b, h, t, 1) / scale
     k_gate = (gate[None, :, None, None] * hind_block[:, None, :, None].to(query.dtype)
               ).expand(b, h, t, 1)
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -182,13 +186,13 @@ def load_gated(path: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
     return model
 
 
-def forward_kwargs(spans: Sequence[tuple[int, int] | None], width: int,
+def forward_kwargs(spans: Sequence[tuple[int, int, int] | None], width: int,
                    device: torch.device) -> dict[str, torch.Tensor]:
     """The extra forward arguments of a right-padded batch whose rows may carry a block
     (``{}`` when none does). A row without one gets an empty span at its end."""
     if all(s is None for s in spans):
         return {}
-    filled = [s if s is not None else (width, width) for s in spans]
+    filled = [s if s is not None else (width, width, width) for s in spans]
     positions, block = block_inputs(filled, width)
     return {"position_ids": positions.to(device), "hind_block": block.to(device),
             # An explicit all-ones mask keeps transformers from reading the overlapping

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from hisr_core.config import HindsightParams
 from hisr_core.gated_attention import block_span
 from hisr_core.prompts import Encoded, PromptBuilder
 from hisr_core.scoring import episode_of, masked_logprobs
@@ -44,10 +45,17 @@ from hisr_core.scoring import episode_of, masked_logprobs
 @dataclasses.dataclass(frozen=True)
 class Window:
     """Turns kept around the masked turn k: ``past`` before it and ``future`` after it
-    (``None``: all, as far as ``max_tokens`` allows)."""
+    (``None``: all, as far as ``max_tokens`` allows); ``block_at``: the positions the block
+    reads at (``system``: where it sits; ``turn``: just before turn k's observation)."""
 
     past: int | None = None
     future: int | None = None
+    block_at: str = "system"
+
+    @classmethod
+    def of(cls, cfg: HindsightParams) -> Window:
+        """The window of the ``hindsight`` params section."""
+        return cls(cfg.past, cfg.future, cfg.block_at)
 
     def bounds(self, k: int, m: int) -> tuple[int, int]:
         """First and last turn kept (inclusive) for turn k of m."""
@@ -85,7 +93,10 @@ def hindsight_example(builder: PromptBuilder, system: str, turns: Sequence[tuple
         enc = builder.encode(f"{system}\n\n{block}", turns[:k + 1], first, train_from=k)
         if len(enc.input_ids) <= builder.max_tokens:
             plain = builder.encode(system, turns[:k + 1], first, train_from=k)
-            return dataclasses.replace(enc, block=block_span(plain.input_ids, enc.input_ids))
+            start, end = block_span(plain.input_ids, enc.input_ids)
+            # "system": where it is; "turn": just before turn k, like the context it reads most.
+            at = start if window.block_at == "system" else max(0, plain.turn_ids.index(k) - (end - start))
+            return dataclasses.replace(enc, block=(start, end, at))
         if first == last == k:
             raise ValueError(f"the hindsight example of turn {k} alone needs "
                              f"{len(enc.input_ids)} tokens > max_tokens={builder.max_tokens}")

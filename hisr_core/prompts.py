@@ -118,15 +118,16 @@ class Encoded:
         response_mask: 1 on tokens of responses (and their end-of-turn token), else 0.
         turn_ids: the 0-based turn each token belongs to (-1 for the system message).
     ``turns`` lists the turns included, in order (oldest dropped first when truncated).
-    ``block``: ``[start, end)`` of an inserted block the model reads through gated attention
-    (:mod:`hisr_core.gated_attention`; a hindsight example's later turns and outcome), if any.
+    ``block``: ``(start, end, at)`` of an inserted block the model reads through gated attention
+    (:mod:`hisr_core.gated_attention`; a hindsight example's later turns and outcome), if any:
+    tokens ``start..end-1``, placed at positions from ``at``.
     """
 
     input_ids: list[int]
     response_mask: list[int]
     turn_ids: list[int]
     turns: tuple[int, ...]
-    block: tuple[int, int] | None = None
+    block: tuple[int, int, int] | None = None
 
 
 class PromptBuilder:

@@ -85,7 +85,8 @@ def token_logprobs(model: PreTrainedModel, seqs: Sequence[Sequence[int]], pad_id
                    max_batch_tokens: int = 8192,
                    score: Sequence[Sequence[int]] | None = None,
                    progress: str | None = None,
-                   blocks: Sequence[tuple[int, int] | None] | None = None) -> list[torch.Tensor]:
+                   blocks: Sequence[tuple[int, int, int] | None] | None = None
+                   ) -> list[torch.Tensor]:
     """Per sequence, ``log p(x_t | x_<t)`` for t = 1..T-1, or only where ``score[i][t]`` is
     set (then only those positions go through the LM head and the softmax). ``progress``:
     the label of a progress bar over the sequences (none if ``None``). ``blocks``: per

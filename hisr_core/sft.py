@@ -73,7 +73,7 @@ class Batch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor
-    blocks: tuple[tuple[int, int] | None, ...] = ()
+    blocks: tuple[tuple[int, int, int] | None, ...] = ()
 
     @property
     def n_tokens(self) -> int:

@@ -41,7 +41,7 @@ def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_
     builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
     grammar = environment_class(params.env.name).command_grammar
     rows = contracts.read_rows(d_ct, "rollouts")
-    window = Window(cfg.past, cfg.future)
+    window = Window.of(cfg)
     train_idx, held_idx = split_by_task([r["task_id"] for r in rows], cfg.holdout, cfg.seed)
     examples = [e for i in train_idx
                 for e in trajectory_examples(builder, rows[i], grammar, window)]

@@ -124,7 +124,7 @@ def _inputs(params: Params, variant: str, tokenizer: Any, tasks_path: Path, d_st
     """Online: the environment and its training tasks; offline: ``D_st`` with its rewards."""
     env_cls = environment_class(params.env.name)
     builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
-    common = {"window": Window(params.hindsight.past, params.hindsight.future),
+    common = {"window": Window.of(params.hindsight),
               "beta": params.rewards.beta, "alpha": params.rewards.alpha,
               "max_new_tokens": params.rollout.max_new_tokens,
               "batch_size": params.rollout.batch_size, "progress": True}

@@ -51,7 +51,7 @@ def score(params: Params, d_st: Path, pi_ref: Path, pi_hind: Path, sprm: Path,
                            [episode_of(r, grammar) for r in rows], cfg.max_batch_tokens,
                            progress="score pi_ref")
     hind = hindsight_logprobs(load_gated(pi_hind, dtype=dtype).eval(), builder, rows, grammar,
-                              Window(params.hindsight.past, params.hindsight.future),
+                              Window.of(params.hindsight),
                               cfg.max_batch_tokens,
                               progress="score pi_hind")
     seg_r = _sprm_turn_rewards(sprm / "model", rows, builder, params, False)

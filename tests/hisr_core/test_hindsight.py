@@ -128,25 +128,29 @@ def test_block_span_and_positions():
     assert block_span([5, 5], [5, 5, 5]) == (2, 3)  # ambiguous repeats: the longest prefix
     with pytest.raises(ValueError, match="one insertion"):
         block_span([1, 2, 3], [1, 9, 3, 9])
-    positions, block = block_inputs([(1, 3), (6, 6)], 6)
+    positions, block = block_inputs([(1, 3, 1), (1, 3, 2), (6, 6, 6)], 6)
     # Row 0: token 0, block tokens 1-2 at 1, 2, then tokens 3.. continue from 1 as if the
-    # block were absent. Row 1 has no block: 0..5.
-    assert positions.tolist() == [[0, 1, 2, 1, 2, 3], [0, 1, 2, 3, 4, 5]]
-    assert block.tolist() == [[False, True, True, False, False, False], [False] * 6]
+    # block were absent. Row 1: the same block placed at 2, 3. Row 2 has no block: 0..5.
+    assert positions.tolist() == [[0, 1, 2, 1, 2, 3], [0, 2, 3, 1, 2, 3], [0, 1, 2, 3, 4, 5]]
+    assert block.tolist() == [[False, True, True, False, False, False]] * 2 + [[False] * 6]
 
 
-def test_closed_gates_are_exactly_pi_ref_and_open_ones_read_the_block(rows, tiny_dir, tokenizer):
+@pytest.mark.parametrize("block_at", ["system", "turn"])
+def test_closed_gates_are_exactly_pi_ref_and_open_ones_read_the_block(rows, tiny_dir, tokenizer,
+                                                                      block_at):
     builder = PromptBuilder(tokenizer, None, 4096)
     policy = turn_logprobs(load_model(tiny_dir).eval(), builder,
                            [episode_of(r, GRAMMAR) for r in rows])
-    closed = hindsight_logprobs(gated(tiny_dir, -1e4), builder, rows, GRAMMAR, Window(None, 2))
-    opened = hindsight_logprobs(gated(tiny_dir, 0.0), builder, rows, GRAMMAR, Window(None, 2))
+    window = Window(None, 2, block_at)
+    closed = hindsight_logprobs(gated(tiny_dir, -1e4), builder, rows, GRAMMAR, window)
+    opened = hindsight_logprobs(gated(tiny_dir, 0.0), builder, rows, GRAMMAR, window)
     flat = [torch.cat(ep) for ep in (policy, closed, opened) for ep in [sum(ep, [])]]
     assert torch.allclose(flat[1], flat[0], atol=1e-5, rtol=0)
     assert float((flat[2] - flat[0]).abs().max()) > 1e-3
 
 
-@pytest.mark.parametrize("window", [Window(), Window(1, 2)], ids=["all", "past-1-future-2"])
+@pytest.mark.parametrize("window", [Window(), Window(1, 2, "turn")],
+                         ids=["all", "past-1-future-2-at-turn"])
 def test_batched_hindsight_scores_equal_one_at_a_time(rows, tiny_dir, tokenizer, window):
     model = gated(tiny_dir, -1.0)
     builder = PromptBuilder(tokenizer, None, 4096)
@@ -211,3 +215,15 @@ def test_gates_keep_their_learning_rate_and_train_under_lora(tiny_dir):
     assert all(g.requires_grad for g in gates)
     groups = param_groups(wrapped, 0.01)
     assert sorted(g["lr"] for g in groups if "lr" in g) == [0.05] * len(gates)
+
+
+def test_a_block_at_turn_k_takes_the_positions_just_before_it(rows, tokenizer):
+    builder = PromptBuilder(tokenizer, None, 4096)
+    at_system = trajectory_examples(builder, rows[0], GRAMMAR, Window(None, 2))
+    at_turn = trajectory_examples(builder, rows[0], GRAMMAR, Window(None, 2, "turn"))
+    for k, (plain, moved) in enumerate(zip(at_system, at_turn, strict=True)):
+        start, end, at = moved.block
+        assert plain.block == (start, end, start)
+        # Turn k's first token is at index i with the block, at position i - n without it.
+        n = end - start
+        assert at == max(0, moved.turn_ids.index(k) - n - n)
