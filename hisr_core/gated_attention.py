@@ -8,8 +8,8 @@ distances to its whole context shift (RoPE) and ``pi_ref`` starts far worse than
 alone. Here instead:
 
 * positions: every token outside the block keeps the position it has without the block; block
-  token i sits at ``start + i`` (overlapping the tokens after it, which RoPE tolerates: only
-  relative distances matter);
+  token i sits at ``at + i`` (where it is, or just before the target's turn: overlapping other
+  tokens, which RoPE tolerates, as only relative distances matter);
 * attention: each layer l and query head h adds a learned gate ``g[l, h]`` to the attention
   logits from every token outside the block to every block token (the block reads itself,
   causally, as plain text). ``g -> -inf`` is exactly ``pi_ref`` on the tokens outside the
