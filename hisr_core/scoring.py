@@ -67,7 +67,8 @@ def scored_logits(model: nn.Module, ids: torch.Tensor, keep: torch.Tensor,
     [N, V] float32, N the kept positions in row-major order.
     """
     # No attention mask: with right padding and causal attention a real token never sees a
-    # pad, so attention keeps its fast causal path (an explicit mask is materialised).
+    # pad, so attention keeps its fast causal path (an explicit mask is materialised). A gated
+    # block's all-ones mask is dropped the same way (see forward_kwargs).
     if parts is None:
         return model(input_ids=ids, use_cache=False, **extra).logits[:, :-1][keep].float()
     backbone, head = parts
