@@ -130,6 +130,10 @@ class Encoded:
     block: tuple[int, int, int] | None = None
 
 
+#: Pieces remembered by a :class:`PromptBuilder` before its memo starts again.
+_MEMO_PIECES = 1 << 16
+
+
 class PromptBuilder:
     """Encodes episodes for one tokenizer; wrapper pieces are tokenized once and cached.
 
@@ -146,6 +150,8 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.history = history
         self.max_tokens = max_tokens
+        # Every turn's prompt re-encodes the episode so far: its pieces are tokenized once.
+        self._memo: dict[str, list[int]] = {}
         self.parts = (chat_template_parts(tokenizer) if getattr(tokenizer, "chat_template", None)
                       else plain_parts(tokenizer))
         p = self.parts
@@ -162,7 +168,15 @@ class PromptBuilder:
                                   else set()))
 
     def _ids(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        """Token ids of one piece (shared with the memo: callers concatenate, never mutate)."""
+        if not text:
+            return []
+        ids = self._memo.get(text)
+        if ids is None:
+            if len(self._memo) >= _MEMO_PIECES:
+                self._memo.clear()
+            ids = self._memo[text] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids
 
     # -- pieces ---------------------------------------------------------------------------
     def _system(self, system: str) -> list[int]:
