@@ -20,7 +20,7 @@ SFT loss trains it:
     system:    the task's system text
                + "Hindsight ... Later turns: [Observation] o_k+1 [Response] a_k+1 ...
                   Outcome: success (R = 1.00). Final observation: ..."     (the block)
-    turns:     o_f, a_f, ..., o_k-1, a_k-1                  (the past, as the policy saw it)
+    turns:     o_f, a_f, ..., o_k-1, a_k-1    (the past the policy's prompt kept, exactly)
     user:      o_k
     assistant: a_k                                           (the only tokens with loss)
 
@@ -82,30 +82,32 @@ def hindsight_example(builder: PromptBuilder, system: str, turns: Sequence[tuple
                       outcome: float, won: bool, final_observation: str,
                       window: Window = Window()) -> Encoded:
     """The example for turn ``k``: the system text with the hindsight block (the turns
-    ``window`` keeps after k), the turns it keeps before k, ``o_k``, and ``a_k`` (masked in).
-    While the sequence is over ``builder.max_tokens`` the kept turn farthest from ``k`` is
-    dropped (the later one on a tie)."""
+    ``window`` keeps after k), the turns before k the policy had in its prompt (fewer if
+    ``window.past`` says so), ``o_k``, and ``a_k`` (masked in).
+
+    Without the block the example is the policy's own sequence for turn k, so closed gates
+    score ``a_k`` exactly as :func:`hisr_core.scoring.turn_logprobs` does. The block has a
+    budget of its own, half of ``builder.max_tokens``: while over it, its latest turn goes."""
     m = len(turns)
     if not 0 <= k < m:
         raise ValueError(f"turn {k} is outside a trajectory of {m} turns")
     first, last = window.bounds(k, m)
+    first = max(first, builder.prompt(system, turns[:k], turns[k][0]).turns[0])
+    plain = builder.encode(system, turns[:k + 1], first, train_from=k)
+    budget = builder.max_tokens // 2
     while True:
         block = hindsight_block(turns[k + 1:last + 1], outcome, won, final_observation)
         enc = builder.encode(f"{system}\n\n{block}", turns[:k + 1], first, train_from=k)
-        if len(enc.input_ids) <= builder.max_tokens:
-            plain = builder.encode(system, turns[:k + 1], first, train_from=k)
-            start, end = block_span(plain.input_ids, enc.input_ids)
-            # "system": where it is; "turn": just before turn k, like the context it reads most.
-            at = (start if window.block_at == "system"
-                  else max(0, plain.turn_ids.index(k) - (end - start)))
-            return dataclasses.replace(enc, block=(start, end, at))
-        if first == last == k:
-            raise ValueError(f"the hindsight example of turn {k} alone needs "
-                             f"{len(enc.input_ids)} tokens > max_tokens={builder.max_tokens}")
-        if last - k >= k - first:
-            last -= 1
-        else:
-            first += 1
+        start, end = block_span(plain.input_ids, enc.input_ids)
+        if end - start <= budget:
+            break
+        if last == k:
+            raise ValueError(f"the hindsight block of turn {k} without later turns needs "
+                             f"{end - start} tokens > max_tokens/2={budget}")
+        last -= 1
+    # "system": where it is; "turn": just before turn k, like the context it reads most.
+    at = start if window.block_at == "system" else max(0, plain.turn_ids.index(k) - (end - start))
+    return dataclasses.replace(enc, block=(start, end, at))
 
 
 def trajectory_examples(builder: PromptBuilder, row: Mapping[str, Any], grammar: Sequence[str],

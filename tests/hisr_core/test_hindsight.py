@@ -92,12 +92,11 @@ def _context_turns(tokenizer, enc, turns) -> list[int]:
     return [j for j, (_, resp) in enumerate(turns) if resp in context]
 
 
-def test_window_and_truncation_drop_the_farthest_turns(rows, tokenizer):
+def test_the_window_keeps_the_policy_past_and_the_block_its_own_budget(rows, tokenizer):
     row = max(rows, key=lambda r: r["n_turns"])
     system, turns = episode_of(row, GRAMMAR)
     assert len({resp for _, resp in turns}) == len(turns)
     m, k = len(turns), 3
-    assert m - 1 - k >= k  # the last turn is the farthest from k
 
     def example(max_tokens, window=None):
         return hindsight_example(PromptBuilder(tokenizer, None, max_tokens), system, turns, k,
@@ -109,10 +108,21 @@ def test_window_and_truncation_drop_the_farthest_turns(rows, tokenizer):
         [j for j in range(k + 2) if j != k]
     full = example(4096)
     assert _context_turns(tokenizer, full, turns) == [j for j in range(m) if j != k]
-    cut = example(len(full.input_ids) - 1)
-    assert len(cut.input_ids) < len(full.input_ids)
-    assert _context_turns(tokenizer, cut, turns) == [j for j in range(m - 1) if j != k]
-    with pytest.raises(ValueError, match="alone needs"):
+    n_block = full.block[1] - full.block[0]
+    n_prompt = len(PromptBuilder(tokenizer).prompt(system, turns[:k], turns[k][0]).input_ids)
+    # Tighter budgets: the past is what the policy's prompt kept, whatever the block's size;
+    # the block keeps the earliest later turns that fit in half of max_tokens.
+    for max_tokens in (2 * n_block - 2, n_prompt - 1):
+        enc = example(max_tokens)
+        policy = PromptBuilder(tokenizer, None, max_tokens).prompt(system, turns[:k], turns[k][0])
+        kept = _context_turns(tokenizer, enc, turns)
+        assert [j for j in kept if j < k] == [j for j in policy.turns if j < k]
+        later = [j for j in kept if j > k]
+        assert later == list(range(k + 1, k + 1 + len(later))) and len(later) < m - 1 - k
+        assert enc.block[1] - enc.block[0] <= max_tokens // 2
+    assert [j for j in _context_turns(tokenizer, example(n_prompt - 1), turns) if j < k] != \
+        list(range(k)), "the tighter budget drops past turns"
+    with pytest.raises(ValueError, match="exceeds max_tokens|without later turns"):
         example(60)
 
 
@@ -135,12 +145,17 @@ def test_block_span_and_positions():
     assert block.tolist() == [[False, True, True, False, False, False]] * 2 + [[False] * 6]
 
 
-@pytest.mark.parametrize("block_at", ["system", "turn"])
+@pytest.mark.parametrize(("block_at", "max_tokens"),
+                         [("system", 4096), ("turn", 4096), ("turn", 600)])
 def test_closed_gates_are_exactly_pi_ref_and_open_ones_read_the_block(rows, tiny_dir, tokenizer,
-                                                                      block_at):
-    builder = PromptBuilder(tokenizer, None, 4096)
-    policy = turn_logprobs(load_model(tiny_dir).eval(), builder,
-                           [episode_of(r, GRAMMAR) for r in rows])
+                                                                      block_at, max_tokens):
+    """Also when the policy's prompts drop old turns (max_tokens 600)."""
+    builder = PromptBuilder(tokenizer, None, max_tokens)
+    episodes = [episode_of(r, GRAMMAR) for r in rows]
+    dropped = any(builder.prompt(system, turns[:k], turns[k][0]).turns[0] > 0
+                  for system, turns in episodes for k in range(len(turns)))
+    assert dropped == (max_tokens < 4096)
+    policy = turn_logprobs(load_model(tiny_dir).eval(), builder, episodes)
     window = Window(None, 2, block_at)
     closed = hindsight_logprobs(gated(tiny_dir, -1e4), builder, rows, GRAMMAR, window)
     opened = hindsight_logprobs(gated(tiny_dir, 0.0), builder, rows, GRAMMAR, window)
