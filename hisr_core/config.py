@@ -198,12 +198,12 @@ class HindsightParams(FitParams):
     epochs: float = Field(0.5, gt=0)
     """Passes over the examples (one per turn; fractions allowed)."""
 
-    lr: float = Field(1e-3, gt=0, le=1.0)
-    """Peak learning rate of AdamW."""
+    lr: float = Field(1e-3, ge=0, le=1.0)
+    """Peak learning rate of AdamW for the weights (0: they stay ``pi_ref``'s; the gates and
+    the block readers train at their own rates either way)."""
 
     past: int | None = Field(None, ge=0)
-    """Turns kept before the masked one (``null``: all, as the policy's context has them);
-    while an example is over ``model.max_tokens`` the turn farthest from it is dropped."""
+    """Turns kept before the masked one (``null``: all the policy's prompt kept)."""
 
     future: int | None = Field(2, ge=0)
     """Turns kept after the masked one (``null``: all that fit)."""
@@ -215,15 +215,28 @@ class HindsightParams(FitParams):
     """Positions the hindsight block is read at: ``system`` where it sits (after the system
     text), ``turn`` just before the masked turn's observation (the recent context)."""
 
-    gate_init: float = Field(-6.0, le=0.0)
+    gate_init: float = Field(-4.0, le=0.0)
     """Initial gate on the attention logits of the hindsight block's tokens, every layer and
     head (``-inf`` would be exactly ``pi_ref``; the more negative, the slower it opens)."""
 
     gate_lr: float = Field(0.1, gt=0.0)
     """Peak learning rate of the gates (the weights use ``lr``)."""
 
+    reader_rank: int = Field(32, ge=0)
+    """Rank of the block reader every layer adds to the block tokens' hidden states (0: none)."""
+
+    reader_lr: float = Field(1e-3, gt=0.0)
+    """Peak learning rate of the block readers."""
+
     lora: LoraParams = Field(default_factory=LoraParams)
     """LoRA adapters instead of full fine-tuning (the gates train either way)."""
+
+    @model_validator(mode="after")
+    def _lora_needs_a_rate(self) -> HindsightParams:
+        if self.lora.enabled and self.lr == 0:
+            raise ValueError("hindsight.lora.enabled needs hindsight.lr > 0 (lr 0 keeps the "
+                             "weights frozen: no adapters to train)")
+        return self
 
 
 class RewardsParams(Section):

@@ -18,9 +18,16 @@ alone. Here instead:
 The gate rides in the causal fast path of SDPA as one extra query/key channel:
 ``q' = [q, (1 - block_q) / scale]``, ``k' = [k, g * block_k]``, so
 ``scale * q'.k' = scale * q.k + g * (1 - block_q) * block_k``. The gates are a parameter
-``hind_gate`` of shape (heads,) on every attention module; :func:`save_gates` writes them
-beside the Hugging Face folder (the weights file holds the plain model) and
-:func:`load_gated` restores them.
+``hind_gate`` of shape (heads,) on every attention module.
+
+A block reader (optional, ``reader_rank > 0``) lets the block's own representation learn while
+every other token is computed by ``pi_ref``'s weights: each decoder layer adds a low-rank
+residual ``B(A h)`` (``B`` zero at the start) to the hidden states of block tokens only, so the
+block can become what the frozen queries of the other tokens look for. With the weights frozen,
+``pi_hind`` differs from ``pi_ref`` only through what the gates let through.
+
+:func:`save_gates` writes the gates and readers beside the Hugging Face folder (the weights file
+holds the plain model) and :func:`load_gated` restores them.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from hisr_core.training import OWN_LR, unwrap_hf
 ATTN_IMPLEMENTATION = "hisr_gated_sdpa"
 GATES_FILE = "hindsight_gates.safetensors"
 GATE_PARAM = "hind_gate"
+READER = "hind_reader"
 
 
 # -- the block and its positions -------------------------------------------------------------------
@@ -129,26 +137,79 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return sorted(found, key=lambda m: m.layer_idx)
 
 
-def attach_gates(model: nn.Module, init: float, lr: float | None = None) -> list[nn.Parameter]:
+class BlockReader(nn.Module):
+    """The low-rank residual a decoder layer adds to block tokens' hidden states.
+
+    Shape: hidden [B, T, d], block [B, T] bool → [B, T, d] (unchanged outside the block)."""
+
+    def __init__(self, hidden: int, rank: int) -> None:
+        super().__init__()
+        self.down = nn.Linear(hidden, rank, bias=False)
+        self.up = nn.Linear(rank, hidden, bias=False)
+        nn.init.zeros_(self.up.weight)  # starts as no change: the block as pi_ref reads it
+
+    def forward(self, hidden: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        return hidden + block[..., None].to(hidden.dtype) * self.up(self.down(hidden))
+
+
+def _read_block(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Forward pre-hook of a decoder layer: its reader on the input hidden states."""
+    block = kwargs.get("hind_block")
+    if block is None:
+        return None
+    if args:
+        return (getattr(layer, READER)(args[0], block), *args[1:]), kwargs
+    kwargs["hidden_states"] = getattr(layer, READER)(kwargs["hidden_states"], block)
+    return args, kwargs
+
+
+def attach_gates(model: nn.Module, init: float, lr: float | None = None, reader_rank: int = 0,
+                 reader_lr: float | None = None) -> list[nn.Parameter]:
     """Give every attention layer of ``model`` a gate per query head (value ``init``) and switch
-    it to gated attention; ``lr``: the gates' own peak learning rate in training
+    it to gated attention, and with ``reader_rank > 0`` every decoder layer a block reader of
+    that rank; ``lr`` and ``reader_lr``: their own peak learning rates in training
     (:data:`~hisr_core.training.OWN_LR`). Returns the gates, layer by layer."""
     _register()
     hf = unwrap_hf(model)
     heads = hf.config.get_text_config().num_attention_heads
+    hidden = hf.config.get_text_config().hidden_size
     gates = []
     for m in attention_modules(hf):
+        param = next(m.parameters())
         if not hasattr(m, GATE_PARAM):
-            param = next(m.parameters())
             m.register_parameter(GATE_PARAM, nn.Parameter(
                 torch.full((heads,), float(init), dtype=torch.float32, device=param.device)))
         gates.append(getattr(m, GATE_PARAM))
         setattr(gates[-1], OWN_LR, lr)
+        if reader_rank > 0:
+            layer = _layer_of(hf, m)
+            if not hasattr(layer, READER):
+                reader = BlockReader(hidden, reader_rank).to(param.device, param.dtype)
+                layer.add_module(READER, reader)
+                layer.register_forward_pre_hook(_read_block, with_kwargs=True)
+            for p in getattr(layer, READER).parameters():
+                setattr(p, OWN_LR, reader_lr)
     hf.set_attn_implementation(ATTN_IMPLEMENTATION)
-    # The weights file stays a plain model; the gates have a file of their own.
-    ignore = {name for name, _ in hf.named_parameters() if name.endswith("." + GATE_PARAM)}
+    # The weights file stays a plain model; the gates and readers have a file of their own.
+    ignore = {name for name, _ in hf.named_parameters()
+              if name.endswith("." + GATE_PARAM) or f".{READER}." in name}
     hf._keys_to_ignore_on_save = set(hf._keys_to_ignore_on_save or ()) | ignore
     return gates
+
+
+def _layer_of(hf: nn.Module, attention: nn.Module) -> nn.Module:
+    """The decoder layer holding an attention module."""
+    for layer in hf.modules():
+        if any(child is attention for child in layer.children()):
+            return layer
+    raise ValueError(f"no decoder layer holds {type(attention).__name__} {attention.layer_idx}")
+
+
+def _readers(model: nn.Module) -> list[BlockReader]:
+    hf = unwrap_hf(model)
+    found = [getattr(_layer_of(hf, m), READER, None) for m in attention_modules(hf)]
+    return [r for r in found if r is not None]
 
 
 def gate_values(model: nn.Module) -> torch.Tensor:
@@ -158,14 +219,18 @@ def gate_values(model: nn.Module) -> torch.Tensor:
 
 
 def save_gates(model: nn.Module, folder: str | Path) -> None:
-    """Write the gates into a model folder (next to the weights file)."""
+    """Write the gates (and block readers) into a model folder (next to the weights file)."""
     from safetensors.torch import save_file
 
-    save_file({"gates": gate_values(model)}, str(Path(folder) / GATES_FILE))
+    tensors = {"gates": gate_values(model)}
+    for i, reader in enumerate(_readers(model)):
+        tensors[f"reader.{i}.down"] = reader.down.weight.detach().float().cpu().contiguous()
+        tensors[f"reader.{i}.up"] = reader.up.weight.detach().float().cpu().contiguous()
+    save_file(tensors, str(Path(folder) / GATES_FILE))
 
 
 def load_gated(path: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
-    """A gated model folder (written with :func:`save_gates`) with its gates in place."""
+    """A gated model folder (written with :func:`save_gates`) with its gates and readers."""
     from safetensors.torch import load_file
 
     from hisr_core.models import load_model
@@ -174,15 +239,20 @@ def load_gated(path: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
     if not gates_file.is_file():
         raise FileNotFoundError(f"{path} has no {GATES_FILE}: not a hindsight model folder "
                                 "(rerun the hindsight stage)")
-    values = load_file(str(gates_file))["gates"]
+    saved = load_file(str(gates_file))
+    values = saved["gates"]
+    rank = saved["reader.0.down"].shape[0] if "reader.0.down" in saved else 0
     model = load_model(path, dtype=dtype)
-    gates = attach_gates(model, 0.0)
+    gates = attach_gates(model, 0.0, reader_rank=rank)
     if values.shape != (len(gates), gates[0].numel()):
         raise ValueError(f"{gates_file}: gates of shape {tuple(values.shape)} do not fit a model "
                          f"of {len(gates)} layers × {gates[0].numel()} heads")
     with torch.no_grad():
         for gate, value in zip(gates, values, strict=True):
             gate.copy_(value)
+        for i, reader in enumerate(_readers(model)):
+            reader.down.weight.copy_(saved[f"reader.{i}.down"])
+            reader.up.weight.copy_(saved[f"reader.{i}.up"])
     return model
 
 

@@ -8,8 +8,10 @@ turns, ``o_k``, and the assistant turn where ``a_k`` was. ``pi_hind`` is ``pi_re
 block through gated attention (:mod:`hisr_core.gated_attention`): every token outside the block
 keeps the position it has without it, the block reads itself as plain text at the positions
 ``Window.block_at`` picks, and a learned gate per layer and head is added to the attention
-logits from the other tokens to the block's. With the gates closed ``pi_hind`` *is* ``pi_ref`` on the target
-(same tokens, same positions); training opens them as far as the future and the outcome help.
+logits from the other tokens to the block's; block readers (low-rank residuals on the block
+tokens' hidden states) let the block learn what to show. With the gates closed ``pi_hind``
+*is* ``pi_ref`` on the target (same tokens, same positions); training opens them as far as the
+future and the outcome help.
 (Inserted as plain text instead, the block shifts every later position: ``pi_ref``'s mean token
 NLL of held-out household targets started at 0.45 instead of 0.22, 1.16 with the block right
 before ``a_k``, and after full fine-tuning, or LoRA, stayed above ``pi_ref``'s from the prefix:

@@ -227,6 +227,13 @@ def lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
 OWN_LR = "own_lr"
 
 
+def freeze_weights(model: nn.Module) -> nn.Module:
+    """Leave trainable only the parameters with their own learning rate (:data:`OWN_LR`)."""
+    for p in model.parameters():
+        p.requires_grad_(getattr(p, OWN_LR, None) is not None)
+    return model
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Trainable parameters in AdamW groups: matrices decay, biases and norm weights do not;
     parameters with :data:`OWN_LR` get a group with that learning rate each."""

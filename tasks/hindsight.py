@@ -17,7 +17,7 @@ from hisr_core.models import load_model, load_tokenizer
 from hisr_core.prompts import PromptBuilder
 from hisr_core.scoring import episode_of, turn_logprobs
 from hisr_core.sft import train_sft
-from hisr_core.training import resolve_dtype
+from hisr_core.training import freeze_weights, resolve_dtype
 from tasks.caching import cached_task
 from tasks.tracking import LossCurve
 
@@ -49,7 +49,9 @@ def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_
         raise ValueError(f"{d_ct} has no training trajectories")
     curve = LossCurve("hindsight", run_id)
     model = load_model(pi_ref, dtype=dtype)
-    attach_gates(model, cfg.gate_init, cfg.gate_lr)
+    attach_gates(model, cfg.gate_init, cfg.gate_lr, cfg.reader_rank, cfg.reader_lr)
+    if cfg.lr == 0:
+        freeze_weights(model)
     stats = train_sft(model, tokenizer, examples, cfg, params.model.dtype, curve, lora=cfg.lora,
                       out_dir=out_dir, name="hindsight",
                       extra=lambda folder: save_gates(model, folder))

@@ -51,6 +51,12 @@ def test_wrong_type_names_key():
         parse_params({"env": {"max_turns": "forty"}})
 
 
+def test_hindsight_lora_with_frozen_weights_is_refused():
+    with pytest.raises(ParamsError, match=r"hindsight.*lora.*lr > 0"):
+        parse_params({"hindsight": {"lr": 0.0, "lora": {"enabled": True}}})
+    assert parse_params({"hindsight": {"lr": 0.0}}).hindsight.lr == 0.0
+
+
 def test_several_errors_reported_together():
     with pytest.raises(ParamsError) as e:
         parse_params({"env": {"max_turns": 0}, "expert": {"seed": -1}})

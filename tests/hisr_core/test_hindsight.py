@@ -30,7 +30,7 @@ from hisr_core.models import build_builtin, load_model, load_tokenizer
 from hisr_core.prompts import PromptBuilder
 from hisr_core.scoring import episode_of, masked_logprobs, turn_logprobs
 from hisr_core.sft import train_sft
-from hisr_core.training import apply_lora, param_groups
+from hisr_core.training import apply_lora, freeze_weights, param_groups
 from tests.household_data import rollout_rows
 
 GRAMMAR = environment_class("household").command_grammar
@@ -126,9 +126,14 @@ def test_the_window_keeps_the_policy_past_and_the_block_its_own_budget(rows, tok
         example(60)
 
 
-def gated(tiny_dir, gate: float):
+def gated(tiny_dir, gate: float, reader_rank: int = 0):
+    """The tiny model with gates, and block readers whose residuals are not zero."""
     model = load_model(tiny_dir).eval()
-    attach_gates(model, gate)
+    attach_gates(model, gate, reader_rank=reader_rank)
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if ".hind_reader." in name:
+            torch.nn.init.normal_(p, std=0.5)
     return model
 
 
@@ -157,7 +162,9 @@ def test_closed_gates_are_exactly_pi_ref_and_open_ones_read_the_block(rows, tiny
     assert dropped == (max_tokens < 4096)
     policy = turn_logprobs(load_model(tiny_dir).eval(), builder, episodes)
     window = Window(None, 2, block_at)
-    closed = hindsight_logprobs(gated(tiny_dir, -1e4), builder, rows, GRAMMAR, window)
+    # Block readers change only the block's own hidden states: closed gates hide them.
+    closed = hindsight_logprobs(gated(tiny_dir, -1e4, reader_rank=4), builder, rows, GRAMMAR,
+                                window)
     opened = hindsight_logprobs(gated(tiny_dir, 0.0), builder, rows, GRAMMAR, window)
     flat = [torch.cat([x for turns in ep for x in turns]) for ep in (policy, closed, opened)]
     assert torch.allclose(flat[1], flat[0], atol=1e-5, rtol=0)
@@ -191,26 +198,35 @@ def test_masked_logprobs_rejects_a_target_without_context(tokenizer, tiny_dir):
         masked_logprobs(load_model(tiny_dir), [bad], 0)
 
 
-def test_hindsight_training_smoke(rows, tiny_dir, tokenizer, tmp_path):
+@pytest.mark.parametrize("lr", [1e-3, 0.0], ids=["weights-train", "weights-frozen"])
+def test_hindsight_training_smoke(rows, tiny_dir, tokenizer, tmp_path, lr):
     builder = PromptBuilder(tokenizer, None, 4096)
     examples = [e for r in rows for e in trajectory_examples(builder, r, GRAMMAR, Window(2, 2))]
     assert len(examples) == sum(r["n_turns"] for r in rows)
     logs = []
-    params = HindsightParams(backend="torch", max_steps=2, log_every=1, micro_batch_size=4)
+    params = HindsightParams(backend="torch", max_steps=2, log_every=1, micro_batch_size=4,
+                             lr=lr, reader_rank=4)
     model = load_model(tiny_dir)
-    attach_gates(model, params.gate_init, params.gate_lr)
+    attach_gates(model, params.gate_init, params.gate_lr, params.reader_rank, params.reader_lr)
+    if lr == 0:
+        freeze_weights(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     out = tmp_path / "pi_hind"
     train_sft(model, tokenizer, examples, params, "float32", lambda s, m: logs.append(m),
               progress=False, name="hindsight", out_dir=out,
               extra=lambda folder: save_gates(model, folder))
     assert [math.isfinite(m["losses/hindsight"]) for m in logs] == [True, True]
-    # Every weight and every gate moved (the gates by about gate_lr a step: Adam).
-    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    # Every gate and reader moved (the gates by about gate_lr a step: Adam); the weights
+    # moved unless frozen. (A reader's down-projection moves from step 2, once up is not 0.)
+    own = {n for n in before if n.endswith("hind_gate") or ".hind_reader." in n}
+    assert len(own) == 3 * len(gate_values(model))
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved == (set(before) if lr else own)
     assert (gate_values(model) != params.gate_init).all()
-    # The folder holds a plain model plus the gates; load_gated restores both.
+    # The folder holds a plain model plus the gates and readers; load_gated restores them.
     from safetensors.torch import load_file
-    assert not [k for k in load_file(str(out / "model.safetensors")) if k.endswith("hind_gate")]
+    saved = load_file(str(out / "model.safetensors"))
+    assert not [k for k in saved if k.endswith("hind_gate") or "hind_reader" in k]
     loaded = load_gated(out).eval()
     assert torch.equal(gate_values(loaded), gate_values(model))
     model.eval()
