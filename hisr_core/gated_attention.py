@@ -176,7 +176,8 @@ def attach_gates(model: nn.Module, init: float, lr: float | None = None, reader_
     hidden = hf.config.get_text_config().hidden_size
     gates = []
     for m in attention_modules(hf):
-        param = next(m.parameters())
+        # A weight of the layer (not the float32 gate of an earlier call): device and dtype.
+        param = next(p for n, p in m.named_parameters() if n != GATE_PARAM)
         if not hasattr(m, GATE_PARAM):
             m.register_parameter(GATE_PARAM, nn.Parameter(
                 torch.full((heads,), float(init), dtype=torch.float32, device=param.device)))
