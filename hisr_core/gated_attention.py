@@ -142,10 +142,13 @@ class BlockReader(nn.Module):
 
     Shape: hidden [B, T, d], block [B, T] bool → [B, T, d] (unchanged outside the block)."""
 
-    def __init__(self, hidden: int, rank: int) -> None:
+    def __init__(self, hidden: int, rank: int, seed: int = 0) -> None:
         super().__init__()
         self.down = nn.Linear(hidden, rank, bias=False)
         self.up = nn.Linear(rank, hidden, bias=False)
+        # nn.Linear's own init, drawn from ``seed`` (not the global RNG): same seed, same pi_hind.
+        nn.init.kaiming_uniform_(self.down.weight, a=5 ** 0.5,
+                                 generator=torch.Generator().manual_seed(seed))
         nn.init.zeros_(self.up.weight)  # starts as no change: the block as pi_ref reads it
 
     def forward(self, hidden: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
@@ -165,11 +168,12 @@ def _read_block(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def attach_gates(model: nn.Module, init: float, lr: float | None = None, reader_rank: int = 0,
-                 reader_lr: float | None = None) -> list[nn.Parameter]:
+                 reader_lr: float | None = None, seed: int = 0) -> list[nn.Parameter]:
     """Give every attention layer of ``model`` a gate per query head (value ``init``) and switch
     it to gated attention, and with ``reader_rank > 0`` every decoder layer a block reader of
-    that rank; ``lr`` and ``reader_lr``: their own peak learning rates in training
-    (:data:`~hisr_core.training.OWN_LR`). Returns the gates, layer by layer."""
+    that rank (initialised from ``seed`` and the layer index); ``lr`` and ``reader_lr``: their
+    own peak learning rates in training (:data:`~hisr_core.training.OWN_LR`). Returns the
+    gates, layer by layer."""
     _register()
     hf = unwrap_hf(model)
     heads = hf.config.get_text_config().num_attention_heads
@@ -186,7 +190,8 @@ def attach_gates(model: nn.Module, init: float, lr: float | None = None, reader_
         if reader_rank > 0:
             layer = _layer_of(hf, m)
             if not hasattr(layer, READER):
-                reader = BlockReader(hidden, reader_rank).to(param.device, param.dtype)
+                reader = BlockReader(hidden, reader_rank, seed * 1009 + m.layer_idx
+                                     ).to(param.device, param.dtype)
                 layer.add_module(READER, reader)
                 layer.register_forward_pre_hook(_read_block, with_kwargs=True)
             for p in getattr(layer, READER).parameters():

@@ -6,7 +6,8 @@ As a script (one process, or one rank under ``torchrun``)::
         --out losses.json [--save DIR]
 
 trains with :func:`hisr_core.sft.train_sft` (``log_every=1``) and has rank 0 write the logged
-metrics of every step and the summary to ``--out``.
+metrics of every step and the summary to ``--out``; with ``--hindsight``, ``pi_hind``'s gates
+and block readers on the frozen model instead (:func:`train_hindsight`).
 """
 
 from __future__ import annotations
@@ -99,6 +100,43 @@ def train(model_dir: Path, params, n_rows: int, save: Path | None = None,
             "lrs": [m["optim/lr"] for _, m in logs], "summary": summary}
 
 
+def train_hindsight(model_dir: Path, backend: str, steps: int) -> dict[str, Any]:
+    """Train ``pi_hind`` as the stage does with ``hindsight.lr: 0`` (gates and rank-4 block
+    readers on the frozen model at ``model_dir``) on household rollouts; the loss of every
+    step, and the parameters that moved with their values."""
+    import torch
+
+    from hisr_core.config import HindsightParams
+    from hisr_core.envs import environment_class
+    from hisr_core.gated_attention import attach_gates
+    from hisr_core.hindsight import Window, trajectory_examples
+    from hisr_core.models import load_model, load_tokenizer
+    from hisr_core.prompts import PromptBuilder
+    from hisr_core.sft import train_sft
+    from hisr_core.training import freeze_weights
+    from tests.household_data import rollout_rows
+
+    tokenizer = load_tokenizer(model_dir)
+    builder = PromptBuilder(tokenizer, None, 4096)
+    grammar = environment_class("household").command_grammar
+    examples = [e for r in rollout_rows(4) for e in trajectory_examples(builder, r, grammar,
+                                                                        Window(2, 2))]
+    params = HindsightParams(backend=backend, max_steps=steps, log_every=1, micro_batch_size=4,
+                             grad_accum=2, lr=0.0, reader_rank=4)
+    model = load_model(model_dir)
+    attach_gates(model, params.gate_init, params.gate_lr, params.reader_rank, params.reader_lr)
+    freeze_weights(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    logs: list[tuple[int, dict[str, float]]] = []
+    train_sft(model, tokenizer, examples, params, "float32",
+              on_log=lambda step, m: logs.append((step, m)), progress=False, name="hindsight")
+    after = dict(model.named_parameters())
+    moved = sorted(n for n, p in after.items() if not torch.equal(p, before[n]))
+    return {"losses": [m["losses/hindsight"] for _, m in logs],
+            "grad_norms": [m["optim/grad_norm"] for _, m in logs], "moved": moved,
+            "values": {n: after[n].detach().flatten().tolist() for n in moved}}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path, required=True)
@@ -109,9 +147,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=12)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--save", type=Path)
+    parser.add_argument("--hindsight", action="store_true",
+                        help="train pi_hind with frozen weights instead (train_hindsight)")
     args = parser.parse_args(argv)
-    params = sft_params(args.backend, args.micro, args.steps, zero_stage=args.zero_stage)
-    result = train(args.model, params, args.rows, save=args.save)
+    if args.hindsight:
+        result = train_hindsight(args.model, args.backend, args.steps)
+    else:
+        params = sft_params(args.backend, args.micro, args.steps, zero_stage=args.zero_stage)
+        result = train(args.model, params, args.rows, save=args.save)
     from hisr_core.training import init_distributed
 
     if init_distributed().is_main:

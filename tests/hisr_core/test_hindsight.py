@@ -31,6 +31,8 @@ from hisr_core.prompts import PromptBuilder
 from hisr_core.scoring import episode_of, masked_logprobs, turn_logprobs
 from hisr_core.sft import train_sft
 from hisr_core.training import apply_lora, freeze_weights, param_groups
+from tests.hisr_core.sft_worker import train_hindsight
+from tests.hisr_core.test_sft import HAS_DEEPSPEED, STEPS, run_worker
 from tests.household_data import rollout_rows
 
 GRAMMAR = environment_class("household").command_grammar
@@ -236,6 +238,35 @@ def test_hindsight_training_smoke(rows, tiny_dir, tokenizer, tmp_path, lr):
     assert all(torch.allclose(x, y, atol=1e-6) for ea, eb in zip(a, b) for x, y in zip(ea, eb))
     with pytest.raises(FileNotFoundError, match=GATES_FILE):
         load_gated(tiny_dir)
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (extra gpu)")
+def test_frozen_weights_under_deepspeed_train_the_gates_and_readers_as_torch_does(tiny_dir,
+                                                                                  tmp_path):
+    """The stage's default on a GPU: DeepSpeed (one CPU process here, gloo, ZeRO-2) with only
+    the gates and readers trainable: the same curve and trained values as plain torch, and
+    nothing else moves."""
+    ds = run_worker(tmp_path, tiny_dir, "deepspeed", 4, 1, extra=("--hindsight",))
+    ref = train_hindsight(tiny_dir, "torch", STEPS)
+    assert ds["moved"] == ref["moved"]
+    assert ds["moved"] and all(n.endswith("hind_gate") or ".hind_reader." in n
+                               for n in ds["moved"])
+    for key in ("losses", "grad_norms"):
+        assert ds[key] == pytest.approx(ref[key], rel=1e-4), key
+    for name in ds["moved"]:
+        assert ds["values"][name] == pytest.approx(ref["values"][name], rel=1e-4, abs=1e-6), name
+
+
+def test_block_readers_start_from_the_seed_not_the_global_rng(tiny_dir):
+    def readers(seed: int) -> dict[str, torch.Tensor]:
+        model = load_model(tiny_dir)
+        torch.rand(7)  # the global RNG moves on between the two
+        attach_gates(model, -4.0, reader_rank=4, seed=seed)
+        return {n: p for n, p in model.named_parameters() if ".hind_reader.down" in n}
+
+    a, b, c = readers(0), readers(0), readers(1)
+    assert len(a) == load_model(tiny_dir).config.num_hidden_layers
+    assert all(torch.equal(a[n], b[n]) and not torch.equal(a[n], c[n]) for n in a)
 
 
 def test_gates_keep_their_learning_rate_and_train_under_lora(tiny_dir):

@@ -218,10 +218,10 @@ def _free_port() -> int:
 
 
 def run_worker(tmp_path: Path, model: Path, backend: str, micro: int, nproc: int,
-               save: Path | None = None) -> dict:
+               save: Path | None = None, extra: tuple[str, ...] = ()) -> dict:
     out = tmp_path / f"{backend}-{nproc}.json"
     args = [str(WORKER), "--model", str(model), "--backend", backend, "--micro", str(micro),
-            "--steps", str(STEPS), "--rows", str(N_ROWS), "--out", str(out)]
+            "--steps", str(STEPS), "--rows", str(N_ROWS), "--out", str(out), *extra]
     if save is not None:
         args += ["--save", str(save)]
     launcher = [sys.executable]
