@@ -100,7 +100,7 @@ def train(model_dir: Path, params, n_rows: int, save: Path | None = None,
             "lrs": [m["optim/lr"] for _, m in logs], "summary": summary}
 
 
-def train_hindsight(model_dir: Path, backend: str, steps: int) -> dict[str, Any]:
+def train_hindsight(model_dir: Path, backend: str, micro: int, steps: int) -> dict[str, Any]:
     """Train ``pi_hind`` as the stage does with ``hindsight.lr: 0`` (gates and rank-4 block
     readers on the frozen model at ``model_dir``) on household rollouts; the loss of every
     step, and the parameters that moved with their values."""
@@ -121,7 +121,7 @@ def train_hindsight(model_dir: Path, backend: str, steps: int) -> dict[str, Any]
     grammar = environment_class("household").command_grammar
     examples = [e for r in rollout_rows(4) for e in trajectory_examples(builder, r, grammar,
                                                                         Window(2, 2))]
-    params = HindsightParams(backend=backend, max_steps=steps, log_every=1, micro_batch_size=4,
+    params = HindsightParams(backend=backend, max_steps=steps, log_every=1, micro_batch_size=micro,
                              grad_accum=2, lr=0.0, reader_rank=4)
     model = load_model(model_dir)
     attach_gates(model, params.gate_init, params.gate_lr, params.reader_rank, params.reader_lr)
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="train pi_hind with frozen weights instead (train_hindsight)")
     args = parser.parse_args(argv)
     if args.hindsight:
-        result = train_hindsight(args.model, args.backend, args.steps)
+        result = train_hindsight(args.model, args.backend, args.micro, args.steps)
     else:
         params = sft_params(args.backend, args.micro, args.steps, zero_stage=args.zero_stage)
         result = train(args.model, params, args.rows, save=args.save)

@@ -247,7 +247,7 @@ def test_frozen_weights_under_deepspeed_train_the_gates_and_readers_as_torch_doe
     the gates and readers trainable: the same curve and trained values as plain torch, and
     nothing else moves."""
     ds = run_worker(tmp_path, tiny_dir, "deepspeed", 4, 1, extra=("--hindsight",))
-    ref = train_hindsight(tiny_dir, "torch", STEPS)
+    ref = train_hindsight(tiny_dir, "torch", 4, STEPS)
     assert ds["moved"] == ref["moved"]
     assert ds["moved"] and all(n.endswith("hind_gate") or ".hind_reader." in n
                                for n in ds["moved"])
