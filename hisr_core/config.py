@@ -219,14 +219,22 @@ class HindsightParams(FitParams):
     """Initial gate on the attention logits of the hindsight block's tokens, every layer and
     head (``-inf`` would be exactly ``pi_ref``; the more negative, the slower it opens)."""
 
-    gate_lr: float = Field(0.1, gt=0.0)
-    """Peak learning rate of the gates (the weights use ``lr``)."""
+    gate_lr: float = Field(0.1, ge=0.0)
+    """Peak learning rate of the gates (the weights use ``lr``; 0: they stay at
+    ``gate_init``)."""
 
     reader_rank: int = Field(32, ge=0)
     """Rank of the block reader every layer adds to the block tokens' hidden states (0: none)."""
 
     reader_lr: float = Field(1e-3, gt=0.0)
     """Peak learning rate of the block readers."""
+
+    pointer_rank: int = Field(32, ge=0)
+    """Rank of the copy head on the block (:class:`~hisr_core.gated_attention.BlockPointer`;
+    0: none): it boosts the block's tokens where the future shows the answer."""
+
+    pointer_lr: float = Field(3e-3, gt=0.0)
+    """Peak learning rate of the copy head."""
 
     lora: LoraParams = Field(default_factory=LoraParams)
     """LoRA adapters instead of full fine-tuning (the gates train either way)."""

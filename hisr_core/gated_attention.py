@@ -26,7 +26,13 @@ residual ``B(A h)`` (``B`` zero at the start) to the hidden states of block toke
 block can become what the frozen queries of the other tokens look for. With the weights frozen,
 ``pi_hind`` differs from ``pi_ref`` only through what the gates let through.
 
-:func:`save_gates` writes the gates and readers beside the Hugging Face folder (the weights file
+A copy head (optional, ``pointer_rank > 0``, :class:`BlockPointer`) reads the block on the
+logits instead: each position outside the block points at block tokens and adds a learned
+boost to their ids (zero at the start). It needs no query of ``pi_ref``'s to look at the block,
+so it works with the gates closed; the model's forward applies it (hooks), and
+:func:`~hisr_core.training.lm_parts` then leaves the LM head to that forward.
+
+:func:`save_gates` writes the gates, readers and copy head beside the Hugging Face folder (the weights file
 holds the plain model) and :func:`load_gated` restores them.
 """
 
@@ -39,12 +45,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from hisr_core.training import OWN_LR, unwrap_hf
+from hisr_core.training import LOGITS_HOOKED, OWN_LR, unwrap_hf
 
 ATTN_IMPLEMENTATION = "hisr_gated_sdpa"
 GATES_FILE = "hindsight_gates.safetensors"
 GATE_PARAM = "hind_gate"
 READER = "hind_reader"
+POINTER = "hind_pointer"
 
 
 # -- the block and its positions -------------------------------------------------------------------
@@ -155,6 +162,69 @@ class BlockReader(nn.Module):
         return hidden + block[..., None].to(hidden.dtype) * self.up(self.down(hidden))
 
 
+class BlockPointer(nn.Module):
+    """A copy head on the block: next-token logits outside the block, plus a boost for the
+    block's tokens the position points at.
+
+    Token t outside the block attends over the block's tokens and a null slot (its logit
+    ``null``): ``a[t, j] = softmax_j((W_q h_t) . (W_k h_j) / sqrt(r))`` on the final hidden
+    states (``pi_ref``'s reading of the block as plain text). With the copy distribution
+    ``c[t, v] = sum_{j: x_j = v} a[t, j]`` and the summary ``u_t = sum_j a[t, j] W_v h_j``:
+
+        logits'[t] = logits[t] + (s + w . u_t) * c[t]
+
+    ``s`` and ``w`` start at zero, so the head starts as no change (``pi_ref``); training
+    learns where the future shows the answer (the object or place the next observation
+    names). Outside the block the hidden states are ``pi_ref``'s: the head adds no way to fit
+    the responses except through what the block says.
+
+    Shape: logits [B, T, V], hidden [B, T, d], ids [B, T] long, block [B, T] bool →
+    [B, T, V] (unchanged on block tokens and in rows without a block)."""
+
+    def __init__(self, hidden: int, rank: int, seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.query, self.key, self.value = (nn.Linear(hidden, rank, bias=False) for _ in range(3))
+        for lin in (self.query, self.key, self.value):
+            nn.init.kaiming_uniform_(lin.weight, a=5 ** 0.5, generator=gen)
+        # Shape (1,), not (): DeepSpeed broadcasts parameters as bytes, which a 0-d one cannot be.
+        self.null = nn.Parameter(torch.zeros(1))
+        self.scale = nn.Parameter(torch.zeros(1))
+        self.to_scale = nn.Parameter(torch.zeros(rank))
+
+    def forward(self, logits: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor,
+                block: torch.Tensor) -> torch.Tensor:
+        b, t, v = logits.shape
+        hidden = hidden.to(self.query.weight.dtype)
+        q, k = self.query(hidden), self.key(hidden)
+        scores = q @ k.transpose(1, 2) / q.shape[-1] ** 0.5                      # [B, T, T]
+        scores = scores.masked_fill(~(block[:, None, :] & ~block[:, :, None]), float("-inf"))
+        attn = torch.softmax(torch.cat([scores, self.null.expand(b, t, 1)], dim=-1), dim=-1
+                             )[..., :-1]
+        copy = attn.new_zeros((b, t, v)).scatter_add_(2, ids[:, None, :].expand(b, t, t), attn)
+        boost = self.scale + (attn @ self.value(hidden)) @ self.to_scale              # [B, T]
+        return (logits.float() + boost[..., None] * copy).to(logits.dtype)
+
+
+def _stash_hidden(backbone: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  output: Any) -> None:
+    """Forward hook of the backbone: keep what the pointer needs for the LM's forward hook."""
+    block = kwargs.get("hind_block")
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if block is not None and ids is not None:
+        backbone._hind_stash = (output.last_hidden_state, ids, block)
+
+
+def _point(lm: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    """Forward hook of the causal LM: its pointer on the logits of a call with a block."""
+    backbone = lm.base_model
+    stash = backbone.__dict__.pop("_hind_stash", None)
+    if stash is None or output.logits.shape[:2] != stash[1].shape:
+        return None
+    output.logits = getattr(lm, POINTER)(output.logits, *stash)
+    return output
+
+
 def _read_block(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """Forward pre-hook of a decoder layer: its reader on the input hidden states."""
@@ -168,10 +238,12 @@ def _read_block(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def attach_gates(model: nn.Module, init: float, lr: float | None = None, reader_rank: int = 0,
-                 reader_lr: float | None = None, seed: int = 0) -> list[nn.Parameter]:
+                 reader_lr: float | None = None, seed: int = 0, pointer_rank: int = 0,
+                 pointer_lr: float | None = None) -> list[nn.Parameter]:
     """Give every attention layer of ``model`` a gate per query head (value ``init``) and switch
-    it to gated attention, and with ``reader_rank > 0`` every decoder layer a block reader of
-    that rank (initialised from ``seed`` and the layer index); ``lr`` and ``reader_lr``: their
+    it to gated attention, with ``reader_rank > 0`` every decoder layer a block reader of
+    that rank (initialised from ``seed`` and the layer index), and with ``pointer_rank > 0``
+    the LM a :class:`BlockPointer` of that rank; ``lr``, ``reader_lr`` and ``pointer_lr``: their
     own peak learning rates in training (:data:`~hisr_core.training.OWN_LR`). Returns the
     gates, layer by layer."""
     _register()
@@ -186,7 +258,10 @@ def attach_gates(model: nn.Module, init: float, lr: float | None = None, reader_
             m.register_parameter(GATE_PARAM, nn.Parameter(
                 torch.full((heads,), float(init), dtype=torch.float32, device=param.device)))
         gates.append(getattr(m, GATE_PARAM))
-        setattr(gates[-1], OWN_LR, lr)
+        if lr == 0:  # the gates stay where they are (closed: the pointer alone reads the block)
+            gates[-1].requires_grad_(False)
+        else:
+            setattr(gates[-1], OWN_LR, lr)
         if reader_rank > 0:
             layer = _layer_of(hf, m)
             if not hasattr(layer, READER):
@@ -196,10 +271,21 @@ def attach_gates(model: nn.Module, init: float, lr: float | None = None, reader_
                 layer.register_forward_pre_hook(_read_block, with_kwargs=True)
             for p in getattr(layer, READER).parameters():
                 setattr(p, OWN_LR, reader_lr)
+    if pointer_rank > 0:
+        if not hasattr(hf, POINTER):
+            param = next(hf.parameters())
+            hf.add_module(POINTER, BlockPointer(hidden, pointer_rank, seed * 1009 + 1000003
+                                                ).to(param.device, param.dtype))
+            hf.base_model.register_forward_hook(_stash_hidden, with_kwargs=True)
+            hf.register_forward_hook(_point, with_kwargs=True)
+            setattr(hf, LOGITS_HOOKED, True)
+        for p in getattr(hf, POINTER).parameters():
+            setattr(p, OWN_LR, pointer_lr)
     hf.set_attn_implementation(ATTN_IMPLEMENTATION)
-    # The weights file stays a plain model; the gates and readers have a file of their own.
+    # The weights file stays a plain model; the gates, readers and pointer have a file of their own.
     ignore = {name for name, _ in hf.named_parameters()
-              if name.endswith("." + GATE_PARAM) or f".{READER}." in name}
+              if name.endswith("." + GATE_PARAM) or f".{READER}." in name
+              or name.startswith(POINTER + ".")}
     hf._keys_to_ignore_on_save = set(hf._keys_to_ignore_on_save or ()) | ignore
     return gates
 
@@ -232,6 +318,10 @@ def save_gates(model: nn.Module, folder: str | Path) -> None:
     for i, reader in enumerate(_readers(model)):
         tensors[f"reader.{i}.down"] = reader.down.weight.detach().float().cpu().contiguous()
         tensors[f"reader.{i}.up"] = reader.up.weight.detach().float().cpu().contiguous()
+    pointer = getattr(unwrap_hf(model), POINTER, None)
+    if pointer is not None:
+        tensors |= {f"pointer.{k}": v.detach().float().cpu().contiguous()
+                    for k, v in pointer.state_dict().items()}
     save_file(tensors, str(Path(folder) / GATES_FILE))
 
 
@@ -248,8 +338,10 @@ def load_gated(path: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
     saved = load_file(str(gates_file))
     values = saved["gates"]
     rank = saved["reader.0.down"].shape[0] if "reader.0.down" in saved else 0
+    pointer = {k.removeprefix("pointer."): v for k, v in saved.items() if k.startswith("pointer.")}
     model = load_model(path, dtype=dtype)
-    gates = attach_gates(model, 0.0, reader_rank=rank)
+    gates = attach_gates(model, 0.0, reader_rank=rank,
+                         pointer_rank=pointer["query.weight"].shape[0] if pointer else 0)
     if values.shape != (len(gates), gates[0].numel()):
         raise ValueError(f"{gates_file}: gates of shape {tuple(values.shape)} do not fit a model "
                          f"of {len(gates)} layers × {gates[0].numel()} heads")
@@ -259,6 +351,8 @@ def load_gated(path: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
         for i, reader in enumerate(_readers(model)):
             reader.down.weight.copy_(saved[f"reader.{i}.down"])
             reader.up.weight.copy_(saved[f"reader.{i}.up"])
+    if pointer:
+        getattr(model, POINTER).load_state_dict(pointer)
     return model
 
 

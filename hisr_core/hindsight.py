@@ -9,8 +9,10 @@ block through gated attention (:mod:`hisr_core.gated_attention`): every token ou
 keeps the position it has without it, the block reads itself as plain text at the positions
 ``Window.block_at`` picks, and a learned gate per layer and head is added to the attention
 logits from the other tokens to the block's; block readers (low-rank residuals on the block
-tokens' hidden states) let the block learn what to show. With the gates closed ``pi_hind``
-*is* ``pi_ref`` on the target (same tokens, same positions); training opens them as far as the
+tokens' hidden states) let the block learn what to show, and a copy head
+(:class:`~hisr_core.gated_attention.BlockPointer`) boosts the block's words a response
+position points at. With the gates closed and the copy head at its start ``pi_hind`` *is*
+``pi_ref`` on the target (same tokens, same positions); training opens them as far as the
 future and the outcome help.
 (Inserted as plain text instead, the block shifts every later position: ``pi_ref``'s mean token
 NLL of held-out household targets started at 0.45 instead of 0.22, 1.16 with the block right

@@ -212,7 +212,7 @@ def lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     those go through the model's own forward.
     """
     hf = unwrap_hf(model)
-    if not isinstance(hf, PreTrainedModel):
+    if not isinstance(hf, PreTrainedModel) or getattr(hf, LOGITS_HOOKED, False):
         return None
     backbone, head = hf.base_model, hf.get_output_embeddings()
     text_config = hf.config.get_text_config()
@@ -221,6 +221,10 @@ def lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
         return None
     return backbone, head
 
+
+#: A model carrying this attribute (true) changes its logits after the LM head in its own
+#: forward (the hindsight pointer): :func:`lm_parts` leaves it to that forward.
+LOGITS_HOOKED = "hisr_logits_hooked"
 
 #: A parameter carrying this attribute (a float) trains at that peak learning rate instead of
 #: the stage's, without weight decay, and stays trainable under LoRA (the hindsight gates).

@@ -49,7 +49,8 @@ def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_
         raise ValueError(f"{d_ct} has no training trajectories")
     curve = LossCurve("hindsight", run_id)
     model = load_model(pi_ref, dtype=dtype)
-    attach_gates(model, cfg.gate_init, cfg.gate_lr, cfg.reader_rank, cfg.reader_lr, cfg.seed)
+    attach_gates(model, cfg.gate_init, cfg.gate_lr, cfg.reader_rank, cfg.reader_lr, cfg.seed,
+                 cfg.pointer_rank, cfg.pointer_lr)
     if cfg.lr == 0:
         freeze_weights(model)
     stats = train_sft(model, tokenizer, examples, cfg, params.model.dtype, curve, lora=cfg.lora,

@@ -101,8 +101,8 @@ def train(model_dir: Path, params, n_rows: int, save: Path | None = None,
 
 
 def train_hindsight(model_dir: Path, backend: str, micro: int, steps: int) -> dict[str, Any]:
-    """Train ``pi_hind`` as the stage does with ``hindsight.lr: 0`` (gates and rank-4 block
-    readers on the frozen model at ``model_dir``) on household rollouts; the loss of every
+    """Train ``pi_hind`` as the stage does with ``hindsight.lr: 0`` (gates, rank-4 block
+    readers and pointer on the frozen model at ``model_dir``) on household rollouts; the loss of every
     step, and the parameters that moved with their values."""
     import torch
 
@@ -122,9 +122,10 @@ def train_hindsight(model_dir: Path, backend: str, micro: int, steps: int) -> di
     examples = [e for r in rollout_rows(4) for e in trajectory_examples(builder, r, grammar,
                                                                         Window(2, 2))]
     params = HindsightParams(backend=backend, max_steps=steps, log_every=1, micro_batch_size=micro,
-                             grad_accum=2, lr=0.0, reader_rank=4)
+                             grad_accum=2, lr=0.0, reader_rank=4, pointer_rank=4)
     model = load_model(model_dir)
-    attach_gates(model, params.gate_init, params.gate_lr, params.reader_rank, params.reader_lr)
+    attach_gates(model, params.gate_init, params.gate_lr, params.reader_rank, params.reader_lr,
+                 params.seed, params.pointer_rank, params.pointer_lr)
     freeze_weights(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     logs: list[tuple[int, dict[str, float]]] = []

@@ -12,6 +12,7 @@ from hisr_core.config import HindsightParams, LoraParams
 from hisr_core.envs import environment_class
 from hisr_core.gated_attention import (
     GATES_FILE,
+    BlockPointer,
     attach_gates,
     block_inputs,
     block_span,
@@ -128,10 +129,11 @@ def test_the_window_keeps_the_policy_past_and_the_block_its_own_budget(rows, tok
         example(60)
 
 
-def gated(tiny_dir, gate: float, reader_rank: int = 0):
-    """The tiny model with gates, and block readers whose residuals are not zero."""
+def gated(tiny_dir, gate: float, reader_rank: int = 0, pointer_rank: int = 0):
+    """The tiny model with gates, block readers whose residuals are not zero, and a pointer as
+    it starts."""
     model = load_model(tiny_dir).eval()
-    attach_gates(model, gate, reader_rank=reader_rank)
+    attach_gates(model, gate, reader_rank=reader_rank, pointer_rank=pointer_rank)
     torch.manual_seed(0)
     for name, p in model.named_parameters():
         if ".hind_reader." in name:
@@ -152,6 +154,32 @@ def test_block_span_and_positions():
     assert block.tolist() == [[False, True, True, False, False, False]] * 2 + [[False] * 6]
 
 
+def test_the_pointer_boosts_the_block_tokens_it_attends_to():
+    """Hand-derived. Tokens 0-1 are the block (ids 2, 3); W_q = 0 gives every block key score
+    0, as the null slot's logit 0, so each later token attends 1/3 to each block token and 1/3
+    to nothing: c = 1/3 at ids 2 and 3. With s = 3 and w = 0, logits' = logits + 1 at ids 2
+    and 3; the block's own rows and a row without a block keep their logits. With s = 0 and
+    w set, the boost is w . u with u = (W_v h_0 + W_v h_1) / 3."""
+    pointer = BlockPointer(hidden=4, rank=2, seed=0)
+    hidden, logits = torch.randn(2, 4, 4), torch.randn(2, 4, 5)
+    ids = torch.tensor([[2, 3, 1, 2], [2, 3, 1, 2]])
+    block = torch.tensor([[True, True, False, False], [False] * 4])
+    with torch.no_grad():
+        assert torch.equal(pointer(logits, hidden, ids, block), logits)  # starts as no change
+        pointer.query.weight.zero_()
+        pointer.scale.fill_(3.0)
+        want = logits.clone()
+        want[0, 2:, 2:4] += 1.0
+        assert torch.allclose(pointer(logits, hidden, ids, block), want, atol=1e-6)
+        pointer.scale.zero_()
+        pointer.to_scale.copy_(torch.tensor([0.5, -0.25]))
+        boost = pointer.value(hidden[0, :2]).sum(0) / 3 @ pointer.to_scale
+        want = logits.clone()
+        want[0, 2:, 2:4] += boost / 3
+        got = pointer(logits, hidden, ids, block)
+        assert torch.allclose(got, want, atol=1e-6)
+
+
 @pytest.mark.parametrize(("block_at", "max_tokens"),
                          [("system", 4096), ("turn", 4096), ("turn", 600)])
 def test_closed_gates_are_exactly_pi_ref_and_open_ones_read_the_block(rows, tiny_dir, tokenizer,
@@ -165,8 +193,9 @@ def test_closed_gates_are_exactly_pi_ref_and_open_ones_read_the_block(rows, tiny
     policy = turn_logprobs(load_model(tiny_dir).eval(), builder, episodes)
     window = Window(None, 2, block_at)
     # Block readers change only the block's own hidden states: closed gates hide them.
-    closed = hindsight_logprobs(gated(tiny_dir, -1e4, reader_rank=4), builder, rows, GRAMMAR,
-                                window)
+    # A pointer starts as no change.
+    closed = hindsight_logprobs(gated(tiny_dir, -1e4, reader_rank=4, pointer_rank=4), builder,
+                                rows, GRAMMAR, window)
     opened = hindsight_logprobs(gated(tiny_dir, 0.0), builder, rows, GRAMMAR, window)
     flat = [torch.cat([x for turns in ep for x in turns]) for ep in (policy, closed, opened)]
     assert torch.allclose(flat[1], flat[0], atol=1e-5, rtol=0)
@@ -176,7 +205,10 @@ def test_closed_gates_are_exactly_pi_ref_and_open_ones_read_the_block(rows, tiny
 @pytest.mark.parametrize("window", [Window(), Window(1, 2, "turn")],
                          ids=["all", "past-1-future-2-at-turn"])
 def test_batched_hindsight_scores_equal_one_at_a_time(rows, tiny_dir, tokenizer, window):
-    model = gated(tiny_dir, -1.0)
+    model = gated(tiny_dir, -1.0, pointer_rank=4)
+    with torch.no_grad():  # a pointer that changes the logits: padding must not reach it
+        model.hind_pointer.scale.fill_(2.0)
+        model.hind_pointer.to_scale.fill_(0.1)
     builder = PromptBuilder(tokenizer, None, 4096)
     batched = hindsight_logprobs(model, builder, rows, GRAMMAR, window, max_batch_tokens=900)
     policy = turn_logprobs(model, builder, [episode_of(r, GRAMMAR) for r in rows])
@@ -207,9 +239,10 @@ def test_hindsight_training_smoke(rows, tiny_dir, tokenizer, tmp_path, lr):
     assert len(examples) == sum(r["n_turns"] for r in rows)
     logs = []
     params = HindsightParams(backend="torch", max_steps=2, log_every=1, micro_batch_size=4,
-                             lr=lr, reader_rank=4)
+                             lr=lr, reader_rank=4, pointer_rank=4)
     model = load_model(tiny_dir)
-    attach_gates(model, params.gate_init, params.gate_lr, params.reader_rank, params.reader_lr)
+    attach_gates(model, params.gate_init, params.gate_lr, params.reader_rank, params.reader_lr,
+                 params.seed, params.pointer_rank, params.pointer_lr)
     if lr == 0:
         freeze_weights(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -218,17 +251,19 @@ def test_hindsight_training_smoke(rows, tiny_dir, tokenizer, tmp_path, lr):
               progress=False, name="hindsight", out_dir=out,
               extra=lambda folder: save_gates(model, folder))
     assert [math.isfinite(m["losses/hindsight"]) for m in logs] == [True, True]
-    # Every gate and reader moved (the gates by about gate_lr a step: Adam); the weights
-    # moved unless frozen. (A reader's down-projection moves from step 2, once up is not 0.)
-    own = {n for n in before if n.endswith("hind_gate") or ".hind_reader." in n}
-    assert len(own) == 3 * len(gate_values(model))
+    # Every gate, reader and pointer parameter moved (the gates by about gate_lr a step:
+    # Adam); the weights moved unless frozen. (A reader's down-projection, and the pointer's
+    # attention, move from step 2, once what multiplies them is not 0.)
+    own = {n for n in before if n.endswith("hind_gate") or ".hind_reader." in n
+           or n.startswith("hind_pointer.")}
+    assert len(own) == 3 * len(gate_values(model)) + 6
     moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert moved == (set(before) if lr else own)
     assert (gate_values(model) != params.gate_init).all()
     # The folder holds a plain model plus the gates and readers; load_gated restores them.
     from safetensors.torch import load_file
     saved = load_file(str(out / "model.safetensors"))
-    assert not [k for k in saved if k.endswith("hind_gate") or "hind_reader" in k]
+    assert not [k for k in saved if k.endswith("hind_gate") or "hind_" in k]
     loaded = load_gated(out).eval()
     assert torch.equal(gate_values(loaded), gate_values(model))
     model.eval()
@@ -241,16 +276,17 @@ def test_hindsight_training_smoke(rows, tiny_dir, tokenizer, tmp_path, lr):
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (extra gpu)")
-def test_frozen_weights_under_deepspeed_train_the_gates_and_readers_as_torch_does(tiny_dir,
+def test_frozen_weights_under_deepspeed_train_the_block_parameters_as_torch_does(tiny_dir,
                                                                                   tmp_path):
     """The stage's default on a GPU: DeepSpeed (one CPU process here, gloo, ZeRO-2) with only
-    the gates and readers trainable: the same curve and trained values as plain torch, and
+    the gates, readers and pointer trainable: the same curve and trained values as plain torch, and
     nothing else moves."""
     ds = run_worker(tmp_path, tiny_dir, "deepspeed", 4, 1, extra=("--hindsight",))
     ref = train_hindsight(tiny_dir, "torch", 4, STEPS)
     assert ds["moved"] == ref["moved"]
     assert ds["moved"] and all(n.endswith("hind_gate") or ".hind_reader." in n
-                               for n in ds["moved"])
+                               or n.startswith("hind_pointer.") for n in ds["moved"])
+    assert any(n.startswith("hind_pointer.") for n in ds["moved"])
     for key in ("losses", "grad_norms"):
         assert ds[key] == pytest.approx(ref[key], rel=1e-4), key
     for name in ds["moved"]:
