@@ -32,8 +32,8 @@ boost to their ids (zero at the start). It needs no query of ``pi_ref``'s to loo
 so it works with the gates closed; the model's forward applies it (hooks), and
 :func:`~hisr_core.training.lm_parts` then leaves the LM head to that forward.
 
-:func:`save_gates` writes the gates, readers and copy head beside the Hugging Face folder (the weights file
-holds the plain model) and :func:`load_gated` restores them.
+:func:`save_gates` writes the gates, readers and copy head beside the Hugging Face folder (the
+weights file holds the plain model) and :func:`load_gated` restores them.
 """
 
 from __future__ import annotations
@@ -194,16 +194,17 @@ class BlockPointer(nn.Module):
 
     def forward(self, logits: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor,
                 block: torch.Tensor) -> torch.Tensor:
-        b, t, v = logits.shape
+        b, t = ids.shape
         hidden = hidden.to(self.query.weight.dtype)
         q, k = self.query(hidden), self.key(hidden)
         scores = q @ k.transpose(1, 2) / q.shape[-1] ** 0.5                      # [B, T, T]
         scores = scores.masked_fill(~(block[:, None, :] & ~block[:, :, None]), float("-inf"))
         attn = torch.softmax(torch.cat([scores, self.null.expand(b, t, 1)], dim=-1), dim=-1
                              )[..., :-1]
-        copy = attn.new_zeros((b, t, v)).scatter_add_(2, ids[:, None, :].expand(b, t, t), attn)
         boost = self.scale + (attn @ self.value(hidden)) @ self.to_scale              # [B, T]
-        return (logits.float() + boost[..., None] * copy).to(logits.dtype)
+        # boost * c added in place of building c: no second [B, T, V] tensor (large vocabularies).
+        return logits.float().scatter_add(2, ids[:, None, :].expand(b, t, t),
+                                          boost[..., None] * attn).to(logits.dtype)
 
 
 def _stash_hidden(backbone: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -282,7 +283,8 @@ def attach_gates(model: nn.Module, init: float, lr: float | None = None, reader_
         for p in getattr(hf, POINTER).parameters():
             setattr(p, OWN_LR, pointer_lr)
     hf.set_attn_implementation(ATTN_IMPLEMENTATION)
-    # The weights file stays a plain model; the gates, readers and pointer have a file of their own.
+    # The weights file stays a plain model; the gates, readers and pointer have a file of their
+    # own.
     ignore = {name for name, _ in hf.named_parameters()
               if name.endswith("." + GATE_PARAM) or f".{READER}." in name
               or name.startswith(POINTER + ".")}
