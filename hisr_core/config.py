@@ -233,7 +233,7 @@ class HindsightParams(FitParams):
     """Rank of the copy head on the block (:class:`~hisr_core.gated_attention.BlockPointer`;
     0: none): it boosts the block's tokens where the future shows the answer."""
 
-    pointer_lr: float = Field(3e-3, gt=0.0)
+    pointer_lr: float = Field(1e-2, gt=0.0)
     """Peak learning rate of the copy head."""
 
     lora: LoraParams = Field(default_factory=LoraParams)

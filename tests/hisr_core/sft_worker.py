@@ -102,8 +102,8 @@ def train(model_dir: Path, params, n_rows: int, save: Path | None = None,
 
 def train_hindsight(model_dir: Path, backend: str, micro: int, steps: int) -> dict[str, Any]:
     """Train ``pi_hind`` as the stage does with ``hindsight.lr: 0`` (gates, rank-4 block
-    readers and pointer on the frozen model at ``model_dir``) on household rollouts; the loss of every
-    step, and the parameters that moved with their values."""
+    readers and pointer on the frozen model at ``model_dir``) on household rollouts; the loss
+    of every step, and the parameters that moved with their values."""
     import torch
 
     from hisr_core.config import HindsightParams
