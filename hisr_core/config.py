@@ -105,6 +105,11 @@ class ModelParams(Section):
     max_tokens: int = Field(2048, ge=64)
     """Longest prompt or training sequence; whole old turns are dropped beyond it."""
 
+    past_admissible: bool = True
+    """Past observations in context keep the admissible list ``env.options.show_admissible``
+    appends. ``false``: only the newest observation shows it (the list of the place one left
+    no longer applies); on ALFWorld the lists are most of a sequence's tokens."""
+
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Weights dtype for training and inference; ``auto``: bfloat16 on a GPU that supports it."""
 
@@ -442,6 +447,12 @@ class RolloutParams(Section):
     env_workers: int = Field(0, ge=0)
     """Worker processes stepping the episodes (0: step in-process, right for the built-in
     household; slow environments such as ALFWorld want a few, e.g. 4)."""
+
+    snap_actions: bool = False
+    """Evaluation and collection: an action not on the admissible list the observation shows
+    (``env.options.show_admissible``) is replaced by the listed command closest to it as text,
+    in the stored response too (Huang et al., 2022, map free-form steps to admissible ones the
+    same way). Not the paper's setting; PPO's own rollouts never snap."""
 
     openai: OpenAIParams = Field(default_factory=OpenAIParams)
     """Settings of the ``openai`` backend."""

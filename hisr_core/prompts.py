@@ -15,7 +15,8 @@ against the template's own rendering. Models without one use the plain template 
 
 Context window: the system message plus the most recent ``history`` turns; older turns are
 dropped whole (a response is never cut), and more whole turns are dropped while the prompt is
-longer than ``max_tokens``.
+longer than ``max_tokens``. With ``past_admissible=False`` only the newest observation of a
+sequence keeps the admissible list an environment appends (:data:`ADMISSIBLE_MARKER` on).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from hisr_core.config import ModelParams
+from hisr_core.envs.base import ADMISSIBLE_MARKER
 from hisr_core.models import ASSISTANT, END, SYSTEM, USER
 
 SYSTEM_TEMPLATE = (
@@ -141,15 +144,18 @@ class PromptBuilder:
         tokenizer: any Hugging Face tokenizer (with or without a chat template).
         history: the most recent turns kept in context (``None``: all).
         max_tokens: the longest prompt or training sequence, in tokens.
+        past_admissible: False drops the admissible list from every observation but the
+            newest of a sequence.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, history: int | None = None,
-                 max_tokens: int = 4096) -> None:
+                 max_tokens: int = 4096, past_admissible: bool = True) -> None:
         if history is not None and history < 0:
             raise ValueError(f"history must be >= 0 or None, got {history}")
         self.tokenizer = tokenizer
         self.history = history
         self.max_tokens = max_tokens
+        self.past_admissible = past_admissible
         # Every turn's prompt re-encodes the episode so far: its pieces are tokenized once.
         self._memo: dict[str, list[int]] = {}
         self.parts = (chat_template_parts(tokenizer) if getattr(tokenizer, "chat_template", None)
@@ -167,6 +173,11 @@ class PromptBuilder:
                                | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None
                                   else set()))
 
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase, model: ModelParams) -> PromptBuilder:
+        """The builder ``params.model`` describes (history, max_tokens, past_admissible)."""
+        return cls(tokenizer, model.history, model.max_tokens, model.past_admissible)
+
     def _ids(self, text: str) -> list[int]:
         """Token ids of one piece (shared with the memo: callers concatenate, never mutate)."""
         if not text:
@@ -182,7 +193,9 @@ class PromptBuilder:
     def _system(self, system: str) -> list[int]:
         return self._sys_pre + self._ids(system) + self._sys_suf
 
-    def _user(self, observation: str) -> list[int]:
+    def _user(self, observation: str, newest: bool = True) -> list[int]:
+        if not (newest or self.past_admissible):
+            observation = observation.split(ADMISSIBLE_MARKER, 1)[0]
         return self._user_pre + self._ids(observation) + self._user_suf
 
     def _assistant(self, response: str) -> tuple[list[int], list[int], list[int]]:
@@ -211,7 +224,7 @@ class PromptBuilder:
         owner = [-1] * len(ids)
         for k in range(first, len(turns)):
             obs, resp = turns[k]
-            user = self._user(obs)
+            user = self._user(obs, newest=observation is None and k == len(turns) - 1)
             head, body, tail = self._assistant(resp)
             on = int(k >= train_from and (learn is None or learn[k]))
             ids += user + head + body + tail
@@ -244,7 +257,8 @@ class PromptBuilder:
         """Training sequences covering every response once, each response seen with exactly
         the context it gets at inference (the window of ``history`` turns, whole turns).
 
-        The first sequence holds turns ``0..history`` and trains all of them; each later turn
+        The first sequence holds turns ``0..history`` and trains all of them (not without
+        ``past_admissible``: there every turn gets its own); each later turn
         ``k`` gets its own sequence ``k-history..k`` training only response ``k``. If the first
         sequence is over ``max_tokens`` every turn gets its own; a sequence over ``max_tokens``
         drops its oldest context turns, as :meth:`prompt` does (never the trained response).
@@ -252,8 +266,10 @@ class PromptBuilder:
         """
         m = len(turns)
         head_end = m if self.history is None else min(m, self.history + 1)
-        head = self.encode(system, turns[:head_end], 0, learn=learn)
-        if len(head.input_ids) <= self.max_tokens:
+        # Without past lists a response is only seen as at inference while its turn is newest.
+        head = self.encode(system, turns[:head_end], 0, learn=learn) if self.past_admissible \
+            else None
+        if head is not None and len(head.input_ids) <= self.max_tokens:
             out, rest = [head], range(head_end, m)
         else:
             out, rest = [], range(m)

@@ -25,3 +25,15 @@ def parse_action(response: str) -> str | None:
         return None
     action = " ".join(matches[-1].split()).lower()
     return action or None
+
+
+def replace_action(response: str, action: str) -> str:
+    """``response`` with the command of its last ``Action:`` line replaced by ``action``."""
+    if "\n" in action:
+        raise ValueError("an action is a single line")
+    last = None
+    for last in _ACTION.finditer(response):
+        pass
+    if last is None:
+        raise ValueError("the response has no Action: line")
+    return response[:last.start(1)] + action + response[last.end(1):]

@@ -12,6 +12,7 @@ collection (sampling) and, later, every PPO iteration.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import math
 import zlib
@@ -22,8 +23,9 @@ import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 from hisr_core.envs import Environment, StepResult, Task
+from hisr_core.envs.base import ADMISSIBLE_MARKER
 from hisr_core.prompts import PromptBuilder, system_text
-from hisr_core.react import parse_action
+from hisr_core.react import parse_action, replace_action
 
 if TYPE_CHECKING:
     from hisr_core.env_workers import EnvWorkers
@@ -505,6 +507,7 @@ def play(
     policy: str = "",
     on_episode: Callable[[dict[str, Any]], None] | None = None,
     workers: EnvWorkers | None = None,
+    snap: bool = False,
 ) -> list[dict[str, Any]]:
     """Play every task ``samples_per_task`` times, up to ``batch_size`` episodes at once.
 
@@ -513,7 +516,9 @@ def play(
     ``workers`` (slow environments) the steps run in worker processes while generation goes on.
 
     Returns one row per episode (contract ``episodes``), in task order then sample order.
-    ``on_episode`` is called as each episode ends (progress bars).
+    ``on_episode`` is called as each episode ends (progress bars). ``snap``: an action not on
+    the admissible list its observation shows is replaced by the closest listed command
+    (:func:`snap_action`), in the stored response too, so a row holds what was played.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -586,11 +591,36 @@ def play(
         for key, gen in generator.poll():
             generating -= 1
             action = parse_action(gen.text)
+            if snap and action is not None:
+                snapped = snap_action(action, active[key].observation)
+                if snapped != action:
+                    gen = dataclasses.replace(gen, text=replace_action(gen.text, snapped))
+                    action = snapped
             active[key].pending = (gen, action)
             steps.append((key, action if action is not None else gen.text.strip()))
         if steps:
             tickets.append(stepper.send_steps(steps))
     return [finished[(t.task_id, s)] for t in tasks for s in range(samples_per_task)]
+
+
+def snap_action(action: str, observation: str) -> str:
+    """The command of the admissible list ``observation`` ends with (``show_admissible``)
+    closest to ``action`` (:class:`difflib.SequenceMatcher` ratio; the first of equals), or
+    ``action`` itself when it is listed or nothing is listed. As Huang et al. (2022, "Language
+    Models as Zero-Shot Planners") translate a free-form step into an admissible one."""
+    _, sep, listed = observation.rpartition(ADMISSIBLE_MARKER)
+    commands = [c.strip() for c in listed.split(",")] if sep else []
+    commands = [c for c in commands if c]
+    if not commands or action in commands:
+        return action
+    matcher = difflib.SequenceMatcher(b=action, autojunk=False)  # b is the one it indexes
+    best, best_ratio = action, -1.0
+    for command in commands:
+        matcher.set_seq1(command)
+        ratio = matcher.ratio()
+        if ratio > best_ratio:
+            best, best_ratio = command, ratio
+    return best
 
 
 def _episode_row(slot: _Slot, won: bool, score: float, policy: str,

@@ -139,7 +139,8 @@ def masked_logprobs(model: PreTrainedModel, encoded: Sequence[Encoded], pad_id: 
 def scoring_sequences(builder: PromptBuilder, system: str,
                       turns: Sequence[tuple[str, str]]) -> list[Encoded]:
     """Sequences holding every response once (masked in), each after exactly its generation
-    prompt: a run of consecutive turns whose prompts begin at the same turn is one sequence."""
+    prompt: a run of consecutive turns whose prompts begin at the same turn is one sequence
+    (each turn its own without ``builder.past_admissible``)."""
     m = len(turns)
     if m == 0:
         return []
@@ -151,7 +152,8 @@ def scoring_sequences(builder: PromptBuilder, system: str,
     out, k = [], 0
     while k < m:
         j = k
-        while j + 1 < m and firsts[j + 1] == firsts[k]:
+        # Without past lists turn j's observation is shown in full only while it is newest.
+        while builder.past_admissible and j + 1 < m and firsts[j + 1] == firsts[k]:
             j += 1
         # Turn k's prompt is this sequence up to its assistant header (the same pieces).
         out.append(builder.encode(system, turns[:j + 1], firsts[k], train_from=k))

@@ -38,7 +38,7 @@ def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_
     cfg = params.hindsight
     dtype = resolve_dtype(params.model.dtype)
     tokenizer = load_tokenizer(pi_ref)
-    builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
+    builder = PromptBuilder.of(tokenizer, params.model)
     grammar = environment_class(params.env.name).command_grammar
     rows = contracts.read_rows(d_ct, "rollouts")
     window = Window.of(cfg)

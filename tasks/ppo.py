@@ -123,7 +123,7 @@ def _inputs(params: Params, variant: str, tokenizer: Any, tasks_path: Path, d_st
             rewards: Path) -> Inputs:
     """Online: the environment and its training tasks; offline: ``D_st`` with its rewards."""
     env_cls = environment_class(params.env.name)
-    builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
+    builder = PromptBuilder.of(tokenizer, params.model)
     common = {"window": Window.of(params.hindsight),
               "beta": params.rewards.beta, "alpha": params.rewards.alpha,
               "max_new_tokens": params.rollout.max_new_tokens,
@@ -200,7 +200,7 @@ def train_rft(params: Params, pi_ref: Path, d_ct: Path, out_dir: Path, loss_csv:
         save_model_folder(load_model(pi_ref), out_dir / "policy", tokenizer)
         write_csv(loss_csv, [("step", "loss")])
         return {"steps": 0, "trajectories": 0, "sequences": 0}
-    builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
+    builder = PromptBuilder.of(tokenizer, params.model)
     sequences = encode_trajectories(rows, builder, environment_class(params.env.name)
                                     .command_grammar)
     sft = params.sft.model_copy(update={"epochs": params.ppo.rft_epochs, "lr": params.ppo.rft_lr,

@@ -46,7 +46,7 @@ def score(params: Params, d_st: Path, pi_ref: Path, pi_hind: Path, sprm: Path,
     dtype = resolve_dtype(params.model.dtype)
     rows = contracts.read_rows(d_st, "segmented")
     grammar = environment_class(params.env.name).command_grammar
-    builder = PromptBuilder(load_tokenizer(pi_ref), params.model.history, params.model.max_tokens)
+    builder = PromptBuilder.of(load_tokenizer(pi_ref), params.model)
     policy = turn_logprobs(load_model(pi_ref, dtype=dtype).eval(), builder,
                            [episode_of(r, grammar) for r in rows], cfg.max_batch_tokens,
                            progress="score pi_ref")

@@ -33,7 +33,7 @@ def open_generator(params: Params, model_dir: Path,
     server in ``rollout.openai`` (which must serve this model: ``vllm serve <model_dir>``).
     """
     tokenizer = load_tokenizer(model_dir)
-    builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
+    builder = PromptBuilder.of(tokenizer, params.model)
     if params.rollout.backend == "openai":
         from hisr_core.openai_backend import OpenAIGenerator
 
@@ -74,4 +74,4 @@ def play_with_progress(params: Params, env: Environment, tasks: Sequence[Task],
 
         return play(env, tasks, generator, builder, sampling, params.rollout.batch_size,
                     samples_per_task=samples_per_task, policy=policy, on_episode=tick,
-                    workers=workers)
+                    workers=workers, snap=params.rollout.snap_actions)

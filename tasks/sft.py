@@ -47,7 +47,7 @@ def train(params: Params, base: str, d_bc_path: Path, out_dir: Path, loss_csv: P
     """Behaviour cloning (NLL of response tokens only) of ``D_bc``; saves ``pi_ref``."""
     tokenizer = load_tokenizer(base)
     model = load_model(base, dtype=resolve_dtype(params.model.dtype))
-    builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
+    builder = PromptBuilder.of(tokenizer, params.model)
     rows = contracts.read_rows(d_bc_path, "expert_trajectories")
     grammar = environment_class(params.env.name).command_grammar
     sequences = encode_trajectories(rows, builder, grammar, params.sft.every_response)

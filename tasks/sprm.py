@@ -45,7 +45,7 @@ def fit_sprm(params: Params, d_st: Path, pi_ref: Path, out_dir: Path, loss_csv: 
     tokenizer = load_tokenizer(pi_ref)
     lm = load_model(pi_ref, dtype=resolve_dtype(params.model.dtype))
     rows = contracts.read_rows(d_st, "segmented")
-    builder = PromptBuilder(tokenizer, params.model.history, params.model.max_tokens)
+    builder = PromptBuilder.of(tokenizer, params.model)
     trajectories = encode_rows(rows, builder, params.env.name, turn_level)
     train_idx, held_idx = split_by_task([r["task_id"] for r in rows], cfg.holdout, cfg.seed)
     if not train_idx:

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from hisr_core.envs.base import (
+    ADMISSIBLE_MARKER,
     NOTHING_HAPPENS,
     Environment,
     Episode,
@@ -210,7 +211,7 @@ class AlfWorldEpisode(Episode):
 
     def _decorate(self, obs: str) -> str:
         if self.show_admissible:
-            return obs + "\nAdmissible actions: " + ", ".join(self._adm)
+            return obs + ADMISSIBLE_MARKER + ", ".join(self._adm)
         return obs
 
     def step(self, action: str) -> StepResult:

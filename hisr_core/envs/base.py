@@ -24,6 +24,9 @@ from typing import Any, ClassVar
 from hisr_core.react import format_response
 
 NOTHING_HAPPENS = "Nothing happens."
+#: Starts the admissible list ``show_admissible`` appends to an observation (the prompt builder
+#: finds it there to drop the list from past observations: ``model.past_admissible``).
+ADMISSIBLE_MARKER = "\nAdmissible actions: "
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -171,7 +174,7 @@ class GoalEpisode(Episode):
 
     def _decorate(self, obs: str) -> str:
         if self.show_admissible:
-            return obs + "\nAdmissible actions: " + ", ".join(self.admissible_commands())
+            return obs + ADMISSIBLE_MARKER + ", ".join(self.admissible_commands())
         return obs
 
     def step(self, action: str) -> StepResult:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from hisr_core.envs.base import ADMISSIBLE_MARKER
 from hisr_core.models import train_tokenizer
 from hisr_core.prompts import PromptBuilder, system_text
 from tests import hf_fixtures
@@ -127,3 +128,28 @@ def test_turns_not_learned_stay_in_context_without_loss():
         assert trained == "".join(r for (_, r), on in zip(TURNS, learn) if on)
         text = tok.decode(seqs[0].input_ids, skip_special_tokens=True)
         assert TURNS[1][1] in text, "the unlearned response is still context"
+
+
+LISTED = [(o + ADMISSIBLE_MARKER + f"go to shelf 1, look {k}", r) for k, (o, r) in enumerate(TURNS)]
+
+
+def lists_shown(tok, enc):
+    return tok.decode(enc.input_ids, skip_special_tokens=True).count(ADMISSIBLE_MARKER.strip())
+
+
+def test_past_admissible_false_shows_only_the_newest_list():
+    tok = builtin_tokenizer()
+    keep, drop = PromptBuilder(tok, history=2), PromptBuilder(tok, history=2, past_admissible=False)
+    assert lists_shown(tok, keep.prompt(SYSTEM, LISTED[:3], LISTED[3][0])) == 3
+    prompt = drop.prompt(SYSTEM, LISTED[:3], LISTED[3][0])
+    text = tok.decode(prompt.input_ids, skip_special_tokens=True)
+    assert lists_shown(tok, prompt) == 1 and text.rstrip().endswith("look 3")
+    assert TURNS[2][0] in text and "look 2" not in text, "a past observation keeps its text"
+    # Training: every response in its own sequence, its observation listed as at inference.
+    seqs = drop.training_sequences(SYSTEM, LISTED)
+    assert [s.turns[-1] for s in seqs] == list(range(len(LISTED)))
+    for k, s in enumerate(seqs):
+        assert masked_text(tok, s) == LISTED[k][1]
+        assert lists_shown(tok, s) == 1
+        want = drop.prompt(SYSTEM, LISTED[:k], LISTED[k][0]).input_ids
+        assert s.input_ids[:len(want)] == want

@@ -1,6 +1,6 @@
 import pytest
 
-from hisr_core.react import format_response, parse_action
+from hisr_core.react import format_response, parse_action, replace_action
 
 
 def test_round_trip():
@@ -27,3 +27,11 @@ def test_parse_action(text, expected):
 def test_multiline_parts_rejected():
     with pytest.raises(ValueError):
         format_response("a\nb", "look")
+
+
+def test_replace_action_rewrites_the_last_action_line_only():
+    text = "Thought: go on.\nAction: go to the desk 1\nAction: take it\n"
+    assert replace_action(text, "go to desk 1") == "Thought: go on.\nAction: go to the desk 1\nAction: go to desk 1\n"
+    assert parse_action(replace_action("Thought: x\nAction:", "look")) == "look"
+    with pytest.raises(ValueError, match="no Action"):
+        replace_action("Thought: x", "look")

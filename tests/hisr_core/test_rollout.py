@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -10,7 +12,8 @@ from hisr_core import contracts
 from hisr_core.envs import make_environment
 from hisr_core.models import train_tokenizer
 from hisr_core.prompts import PromptBuilder
-from hisr_core.rollout import HFGenerator, Sampling, play, success_table
+from hisr_core.react import parse_action
+from hisr_core.rollout import HFGenerator, Sampling, play, snap_action, success_table
 from tests.scripted import ScriptedBackend
 
 
@@ -287,3 +290,37 @@ def test_invalid_sampling_rejected():
         Sampling(top_p=0.0)
     with pytest.raises(ValueError):
         Sampling(temperature=-1)
+
+
+def test_snap_action_maps_to_the_closest_listed_command():
+    obs = "You see a mug 1.\nAdmissible actions: go to cabinet 1, go to cabinet 12, take mug 1 from shelf 1"
+    assert snap_action("go to the cabinet 12", obs) == "go to cabinet 12"
+    assert snap_action("take mug 1 from the shelf 1", obs) == "take mug 1 from shelf 1"
+    assert snap_action("go to cabinet 1", obs) == "go to cabinet 1", "a listed action stays"
+    assert snap_action("fly away", "You see a mug 1.") == "fly away", "nothing listed: kept"
+
+
+class Misspoken(ReplayExpert):
+    """The expert's responses with "the " slipped in before the command's last object, which
+    the game does not accept (``go to the cabinet 1``)."""
+
+    def answer(self, key, prompt):
+        text = super().answer(key, prompt)
+        return re.sub(r"(Action: .*?)(\S+ \d+)$", r"\1the \2", text)
+
+
+def test_snapped_actions_are_played_and_stored():
+    env = make_environment("household", max_turns=25, show_admissible=True)
+    tok = household_tokenizer(env)
+    tasks = env.make_tasks("valid_seen", 4, 0)
+    builder = PromptBuilder(tok)
+    backend = Misspoken(env, tasks, tok, builder)
+    free = play(env, tasks, backend, builder, Sampling(), batch_size=4)
+    assert not any(r["turns"][0]["admissible"] for r in free)
+    rows = play(env, tasks, backend, builder, Sampling(), batch_size=4, snap=True)
+    assert all(r["won"] for r in rows)
+    for t, r in zip(tasks, rows, strict=True):
+        expert = env.expert_play(t)
+        assert [x["response"] for x in r["turns"]] == [x.response for x in expert.turns]
+        assert all(x["admissible"] and x["action"] == parse_action(x["response"])
+                   for x in r["turns"])

@@ -51,6 +51,31 @@ def test_batched_scores_equal_the_naive_reference(tokenizer, episodes, history, 
         assert all(1 < n <= len(turns) for n, (_, turns) in zip(n_seqs, episodes, strict=True))
 
 
+@pytest.mark.parametrize("history", [None, 2])
+def test_without_past_lists_batched_scores_equal_the_naive_reference(tokenizer, history):
+    """``past_admissible=False``: every turn is scored with only its own observation listed,
+    as its generation prompt showed it."""
+    env = make_environment("household", max_turns=25, show_admissible=True)
+    episodes = []
+    for t in env.make_tasks("valid_seen", 3, 0):
+        ep = env.expert_play(t, 0.2)
+        episodes.append((system_text(t.instruction, env.command_grammar),
+                         [(x.observation, x.response) for x in ep.turns]))
+    model = peaky_model(tokenizer, seed=6)
+    builder = PromptBuilder(tokenizer, history, 4096, past_admissible=False)
+    batched = turn_logprobs(model, builder, episodes, max_batch_tokens=3000)
+    reference = turn_logprobs_naive(model, builder, episodes)
+    for got, want in zip(batched, reference, strict=True):
+        for g, w in zip(got, want, strict=True):
+            assert g.numel() > 0 and torch.allclose(g, w, atol=1e-5, rtol=0)
+    for system, turns in episodes:
+        seqs = scoring_sequences(builder, system, turns)
+        assert len(seqs) == len(turns)
+        for s in seqs:
+            shown = tokenizer.decode(s.input_ids, skip_special_tokens=True)
+            assert shown.count("Admissible actions:") == 1
+
+
 def test_token_logprobs_shapes_and_order(tokenizer):
     model = peaky_model(tokenizer)
     seqs = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
