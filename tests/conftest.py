@@ -21,6 +21,19 @@ configure_offline()  # this process too: Prefect and MLflow clients here tell no
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (the default, ``-n auto``) each worker's torch, and every process it
+    starts, gets its share of the cores: two torch processes of two threads each on a 2-core
+    machine slow each other 3-4x, while one thread each overlaps one test's imports and
+    server waits with the other's compute."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
