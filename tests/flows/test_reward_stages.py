@@ -46,6 +46,7 @@ def _run(run_module, stage, params, data):
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_sprm_hindsight_and_rewards_stages(staged, run_module, write_params, mlflow_uri,
                                            experiment):
     data = staged
@@ -121,6 +122,7 @@ def _ppo_overrides() -> dict:
             "sft": {"backend": "torch", "micro_batch_size": 4, "max_steps": 2}}
 
 
+@pytest.mark.slow
 def test_ppo_stage_trains_resumes_and_logs(staged, run_module, write_params, mlflow_uri,
                                            experiment):
     """After the reward stages above (same data folder): ``hisr`` online for 2 iterations;

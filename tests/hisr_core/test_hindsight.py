@@ -275,6 +275,7 @@ def test_hindsight_training_smoke(rows, tiny_dir, tokenizer, tmp_path, lr):
         load_gated(tiny_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (extra gpu)")
 def test_frozen_weights_under_deepspeed_train_the_block_parameters_as_torch_does(tiny_dir,
                                                                                   tmp_path):

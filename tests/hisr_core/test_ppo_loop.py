@@ -140,6 +140,7 @@ def offline_reference(tiny_dir, tmp_path_factory):
     return run_worker(_command(tiny_dir, out, micro=4, offline=10), out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [
     "torch",
     pytest.param("deepspeed", marks=pytest.mark.skipif(not HAS_DEEPSPEED,
@@ -166,6 +167,7 @@ def test_deepspeed_online_iteration_changes_every_parameter(tiny_dir, tmp_path):
     assert unchanged(result, "policy") == [] and unchanged(result, "critic") == []
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_to_the_same_weights(tiny_dir, tmp_path):
     """SIGKILL once the first checkpoint exists; the same command resumes from it and ends
     with the iteration count and the weights of an uninterrupted run."""

@@ -257,6 +257,7 @@ def test_sft_deepspeed_smoke_matches_torch(reference, tiny_dir, tmp_path):
     assert_same_curve(result, reference[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [
     "torch",
     pytest.param("deepspeed", marks=pytest.mark.skipif(not HAS_DEEPSPEED,

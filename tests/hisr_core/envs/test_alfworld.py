@@ -109,6 +109,7 @@ def test_make_tasks_is_deterministic_and_relocatable(data_dir):
         env.make_tasks("valid_unseen", 5, 0)
 
 
+@pytest.mark.slow
 def test_recorded_train_episodes_are_all_won(data_dir):
     env = _env(data_dir)
     tasks = env.make_tasks("train", N_GAMES, 0)
@@ -126,6 +127,7 @@ def test_recorded_train_episodes_are_all_won(data_dir):
             assert not turn.observation.startswith("You arrive at loc")
 
 
+@pytest.mark.slow
 def test_expert_slips_are_refused_by_the_game_then_the_recording_wins(data_dir):
     from hisr_core.envs.base import MAX_SLIPS
 
