@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="folder holding json_2.1.1/ and logic/ (default: %(default)s)")
     parser.add_argument("--split", default="valid_seen")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--games", type=int, default=16,
+                        help="games played in rotation (a split's task list probes each game "
+                             "without a recorded episode in the engine: ~7 s a game)")
     parser.add_argument("--batch", type=int, default=8, help="episodes in play at once")
     parser.add_argument("--steps", type=int, default=240, help="env steps per setting")
     parser.add_argument("--max-turns", type=int, default=20)
@@ -89,13 +92,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--workers must include 1 (the baseline)")
     options = {"data_dir": str(args.data), "show_admissible": True}
     env = make_environment("alfworld", args.max_turns, **options)
-    tasks = env.make_tasks(args.split, 10**6, args.seed)
+    tasks = env.make_tasks(args.split, args.games, args.seed)
     runs = [measure(options, tasks, w, args.batch, args.steps, args.max_turns, args.seed)
             for w in sorted(set(args.workers))]
     base = runs[0]["steps_per_second"]
     emit({
         "benchmark": "alfworld_workers",
         "split": args.split,
+        "games": len(tasks),
         "batch": args.batch,
         "max_turns": args.max_turns,
         "runs": runs,
