@@ -448,11 +448,13 @@ class RolloutParams(Section):
     """Worker processes stepping the episodes (0: step in-process, right for the built-in
     household; slow environments such as ALFWorld want a few, e.g. 4)."""
 
-    snap_actions: bool = False
-    """Evaluation and collection: an action not on the admissible list the observation shows
-    (``env.options.show_admissible``) is replaced by the listed command closest to it as text,
-    in the stored response too (Huang et al., 2022, map free-form steps to admissible ones the
-    same way). Not the paper's setting; PPO's own rollouts never snap."""
+    action_choice: Literal["free", "snap", "constrained"] = "free"
+    """Evaluation and collection, where observations list the admissible commands
+    (``env.options.show_admissible``): ``free`` plays the action the policy wrote (the paper's
+    setting); ``snap`` replaces an unlisted one by the listed command closest to it as text, in
+    the stored response too (as Huang et al., 2022, map free-form steps to admissible ones);
+    ``constrained`` decodes the action only among the listed commands, token by token by the
+    policy's own distribution (the ``hf`` backend; others snap). PPO's own rollouts are free."""
 
     openai: OpenAIParams = Field(default_factory=OpenAIParams)
     """Settings of the ``openai`` backend."""

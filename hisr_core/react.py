@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 _ACTION = re.compile(r"(?:^|\n)\s*Action:[ \t]*([^\n]*)")
+_LABEL = re.compile(r"(?:^|\n)\s*Action:")
 
 
 def format_response(thought: str, action: str) -> str:
@@ -25,6 +26,13 @@ def parse_action(response: str) -> str | None:
         return None
     action = " ".join(matches[-1].split()).lower()
     return action or None
+
+
+def action_label_end(partial: str) -> int | None:
+    """The index just past the first ``Action:`` label of a (partial) response, where its
+    command starts (after one space); None while there is no label yet."""
+    m = _LABEL.search(partial)
+    return m.end() if m else None
 
 
 def replace_action(response: str, action: str) -> str:

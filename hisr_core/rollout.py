@@ -17,7 +17,7 @@ import inspect
 import math
 import zlib
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
@@ -25,10 +25,14 @@ from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 from hisr_core.envs import Environment, StepResult, Task
 from hisr_core.envs.base import ADMISSIBLE_MARKER
 from hisr_core.prompts import PromptBuilder, system_text
-from hisr_core.react import parse_action, replace_action
+from hisr_core.react import action_label_end, parse_action, replace_action
 
 if TYPE_CHECKING:
     from hisr_core.env_workers import EnvWorkers
+
+
+ActionChoice = Literal["free", "snap", "constrained"]
+ACTION_CHOICES: tuple[str, ...] = get_args(ActionChoice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +204,10 @@ class _Row:
     feed: int | None = None   # the last sampled token, to be fed next
     rng: torch.Generator | None = None
     used: int = 0             # when it last served a request (idle rows go LRU first)
+    #: Commands the response's action must be one of (None: free), and, once the response
+    #: has its ``Action:`` label, the token sequences of the responses still possible.
+    choices: list[str] | None = None
+    paths: list[list[int]] | None = None
 
 
 class HFGenerator(Streaming):
@@ -214,6 +222,12 @@ class HFGenerator(Streaming):
 
     Models the ragged cache cannot serve (checked once against a plain forward pass, e.g.
     sliding-window attention) are run without a cache: each step recomputes the sequences.
+
+    A request may name ``choices``: once its response has written its ``Action:`` label, each
+    next token is chosen only among those that continue one of the responses ending in a
+    listed command (the response tokenized whole, as training sees it), then a stop token.
+    The policy's own next-token distribution picks the command, token by token, at no extra
+    forward pass; a response whose tokens cannot continue any of them stays free.
 
     Args:
         model: a causal LM (eval mode is set here).
@@ -241,7 +255,7 @@ class HFGenerator(Streaming):
         self._bool_mask = getattr(model.config, "_attn_implementation", "eager") != "eager"
         self._rows = [_Row() for _ in range(max_rows)]
         self._where: dict[Hashable, int] = {}
-        self._waiting: list[tuple[Hashable, list[int], Sampling]] = []
+        self._waiting: list[tuple[Hashable, list[int], Sampling, list[str] | None]] = []
         self._clock = 0
         self._cache = _RaggedCache(max_rows)
         self._ragged = self._ragged_matches_plain()
@@ -250,13 +264,21 @@ class HFGenerator(Streaming):
 
     # -- requests ---------------------------------------------------------------------------
 
-    def submit(self, key: Hashable, prompt: Sequence[int], sampling: Sampling) -> None:
+    #: ``submit`` takes ``choices`` (the engine's ``action_choice: constrained``).
+    constrains_actions = True
+
+    def submit(self, key: Hashable, prompt: Sequence[int], sampling: Sampling,
+               choices: Sequence[str] | None = None) -> None:
+        """``choices``: the commands the response's action is decoded among (see the class)."""
         if not prompt:
             raise ValueError(f"empty prompt for {key!r}")
         if key in self._where and self._rows[self._where[key]].sampling is not None or \
-                any(k == key for k, _, _ in self._waiting):
+                any(k == key for k, _, _, _ in self._waiting):
             raise ValueError(f"{key!r} already has a request in flight")
-        self._waiting.append((key, list(prompt), sampling))
+        if choices is not None and not choices:
+            raise ValueError(f"empty choices for {key!r}")
+        self._waiting.append((key, list(prompt), sampling,
+                              list(choices) if choices is not None else None))
 
     def release(self, key: Hashable) -> None:
         self._waiting = [w for w in self._waiting if w[0] != key]
@@ -267,14 +289,14 @@ class HFGenerator(Streaming):
         """Give waiting requests their key's row, else a free one, else the least recently
         used idle one (its cache is dropped)."""
         still = []
-        for key, prompt, sampling in self._waiting:
+        for key, prompt, sampling, choices in self._waiting:
             i = self._where.get(key)
             if i is None:
                 free = [j for j, r in enumerate(self._rows) if r.key is None]
                 idle = sorted((r.used, j) for j, r in enumerate(self._rows)
                               if r.key is not None and r.sampling is None)
                 if not free and not idle:
-                    still.append((key, prompt, sampling))
+                    still.append((key, prompt, sampling, choices))
                     continue
                 i = free[0] if free else idle[0][1]
                 if self._rows[i].key is not None:
@@ -292,6 +314,7 @@ class HFGenerator(Streaming):
             row.ids, row.todo, row.sampling, row.used = row.ids[:keep], prompt[keep:], sampling, \
                 self._clock
             row.out, row.entropy, row.feed = [], 0.0, None
+            row.choices, row.paths = choices, None
         self._waiting = still
 
     @torch.inference_mode()
@@ -395,10 +418,39 @@ class HFGenerator(Streaming):
 
     # -- sampling ---------------------------------------------------------------------------
 
+    def _allowed(self, row: _Row) -> list[int] | None:
+        """The tokens a row decoding among ``choices`` may take next (None: any)."""
+        if row.choices is None:
+            return None
+        n = len(row.out)
+        if row.paths is None:
+            text = self.tokenizer.decode(row.out, skip_special_tokens=True)
+            end = action_label_end(text)
+            if end is None:
+                return None
+            head = text[:end]
+            seqs = self.tokenizer([f"{head} {c}" for c in row.choices],
+                                  add_special_tokens=False)["input_ids"]
+            # Only responses the tokens so far already spell (token boundaries included).
+            row.paths = [list(s) for s in seqs if len(s) >= n and s[:n] == row.out]
+        if not row.paths:
+            return None
+        allowed = {p[n] for p in row.paths if len(p) > n}
+        if any(len(p) == n for p in row.paths):
+            allowed |= self.stop
+        return sorted(allowed)
+
     def _pick(self, rows: list[int], logits: torch.Tensor) -> list[tuple[Hashable, Generation]]:
         """Choose each row's next token from its logits (n, V); the responses that ended."""
         logp = torch.log_softmax(logits, dim=-1)
         entropy = (-(logp.exp() * logp).sum(-1)).tolist()
+        # Entropy is the policy's; the choice is among the tokens a constrained row allows.
+        for j, i in enumerate(rows):
+            allowed = self._allowed(self._rows[i])
+            if allowed is not None:
+                keep = torch.full_like(logits[j], float("-inf"))
+                index = torch.tensor(allowed, device=logits.device)
+                logits[j] = keep.index_copy(0, index, logits[j, index])
         choice = logits.argmax(-1).cpu()
         sampled = [j for j, i in enumerate(rows) if self._rows[i].sampling.temperature > 0]
         if sampled:
@@ -410,6 +462,9 @@ class HFGenerator(Streaming):
             row = self._rows[rows[j]]
             assert row.sampling is not None
             if token not in self.stop:
+                if row.paths:
+                    n = len(row.out)
+                    row.paths = [p for p in row.paths if len(p) > n and p[n] == token]
                 row.out.append(token)
                 row.entropy += entropy[j]
                 row.feed = token
@@ -507,7 +562,7 @@ def play(
     policy: str = "",
     on_episode: Callable[[dict[str, Any]], None] | None = None,
     workers: EnvWorkers | None = None,
-    snap: bool = False,
+    actions: ActionChoice = "free",
 ) -> list[dict[str, Any]]:
     """Play every task ``samples_per_task`` times, up to ``batch_size`` episodes at once.
 
@@ -516,12 +571,18 @@ def play(
     ``workers`` (slow environments) the steps run in worker processes while generation goes on.
 
     Returns one row per episode (contract ``episodes``), in task order then sample order.
-    ``on_episode`` is called as each episode ends (progress bars). ``snap``: an action not on
-    the admissible list its observation shows is replaced by the closest listed command
-    (:func:`snap_action`), in the stored response too, so a row holds what was played.
+    ``on_episode`` is called as each episode ends (progress bars). ``actions`` (where the
+    observation lists the admissible commands): ``free`` plays what the policy wrote;
+    ``snap`` replaces an unlisted action by the closest listed command (:func:`snap_action`),
+    in the stored response too, so a row holds what was played; ``constrained`` has a backend
+    that can (``constrains_actions``, the ``hf`` one) decode the action only among the listed
+    commands, and snaps what still misses (other backends).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if actions not in ACTION_CHOICES:
+        raise ValueError(f"actions must be one of {ACTION_CHOICES}, got {actions!r}")
+    constrain = actions == "constrained" and getattr(generator, "constrains_actions", False)
     stepper: Any = workers if workers is not None else _InProcess(env)
     queue = [(t, s) for t in tasks for s in range(samples_per_task)]
     queue.reverse()
@@ -534,7 +595,11 @@ def play(
         nonlocal generating
         prompt = builder.prompt(slot.system, slot.turns, slot.observation)
         slot.prompt_tokens = len(prompt.input_ids)
-        generator.submit(slot.key, prompt.input_ids, sampling)
+        choices = listed_commands(slot.observation) if constrain else []
+        if choices:
+            generator.submit(slot.key, prompt.input_ids, sampling, choices=choices)
+        else:
+            generator.submit(slot.key, prompt.input_ids, sampling)
         generating += 1
 
     def refill() -> None:
@@ -591,7 +656,7 @@ def play(
         for key, gen in generator.poll():
             generating -= 1
             action = parse_action(gen.text)
-            if snap and action is not None:
+            if actions != "free" and action is not None:
                 snapped = snap_action(action, active[key].observation)
                 if snapped != action:
                     gen = dataclasses.replace(gen, text=replace_action(gen.text, snapped))
@@ -603,14 +668,18 @@ def play(
     return [finished[(t.task_id, s)] for t in tasks for s in range(samples_per_task)]
 
 
+def listed_commands(observation: str) -> list[str]:
+    """The admissible commands an observation ends with (``show_admissible``), or []."""
+    _, sep, listed = observation.rpartition(ADMISSIBLE_MARKER)
+    return [c for c in (c.strip() for c in listed.split(",")) if c] if sep else []
+
+
 def snap_action(action: str, observation: str) -> str:
     """The command of the admissible list ``observation`` ends with (``show_admissible``)
     closest to ``action`` (:class:`difflib.SequenceMatcher` ratio; the first of equals), or
     ``action`` itself when it is listed or nothing is listed. As Huang et al. (2022, "Language
     Models as Zero-Shot Planners") translate a free-form step into an admissible one."""
-    _, sep, listed = observation.rpartition(ADMISSIBLE_MARKER)
-    commands = [c.strip() for c in listed.split(",")] if sep else []
-    commands = [c for c in commands if c]
+    commands = listed_commands(observation)
     if not commands or action in commands:
         return action
     matcher = difflib.SequenceMatcher(b=action, autojunk=False)  # b is the one it indexes

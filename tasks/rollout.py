@@ -74,4 +74,4 @@ def play_with_progress(params: Params, env: Environment, tasks: Sequence[Task],
 
         return play(env, tasks, generator, builder, sampling, params.rollout.batch_size,
                     samples_per_task=samples_per_task, policy=policy, on_episode=tick,
-                    workers=workers, snap=params.rollout.snap_actions)
+                    workers=workers, actions=params.rollout.action_choice)

@@ -87,6 +87,9 @@ EXPERT_FILE = "gt_traj.json"
 _ARRIVE = re.compile(r"^You arrive at loc \d+\.\s*")
 _BANNER = "-= Welcome to TextWorld, ALFRED! =-"
 _TASK_LINE = re.compile(r"Your task is to:[ \t]*([^\n]+)")
+#: The goal sentence as the game file's text grammar spells it (the intro's ``#task#`` symbol).
+_GRAMMAR_TASK = re.compile(
+    r'"task"\s*:\s*\[\s*\{\s*"rhs"\s*:\s*"(Your task is to:[^"#\\]*)"\s*\}\s*\]')
 _MISSING = ("environment 'alfworld' needs the alfworld package: install the project with the "
             "alfworld extra (EXTRAS=alfworld make install, or pip install -e '.[alfworld]')")
 
@@ -128,6 +131,15 @@ def instruction_of(first_observation: str) -> str:
     if m is None:
         raise ValueError("the initial observation has no 'Your task is to:' line")
     return m.group(1).strip().rstrip(".")
+
+
+def grammar_instruction(game_dir: Path) -> str | None:
+    """The goal of a game read from its file's text grammar (what the first observation's
+    ``Your task is to:`` line prints, without starting the engine); None where the grammar
+    spells it with template symbols."""
+    grammar = json.loads((game_dir / GAME_FILE).read_text(encoding="utf-8")).get("grammar", "")
+    m = _GRAMMAR_TASK.search(grammar)
+    return instruction_of(m.group(1)) if m else None
 
 
 def clean_observation(obs: str, first: bool = False) -> str:
@@ -452,10 +464,13 @@ class AlfWorldEnv(Environment):
         return tasks
 
     def _instruction(self, game_dir: Path, rel: str) -> str:
-        """The goal text: from the recorded episode where there is one (no engine needed),
-        else from the game's first observation."""
+        """The goal text: from the recorded episode or the game file's grammar (no engine
+        needed), else from the game's first observation (seconds a game)."""
         if (game_dir / EXPERT_FILE).is_file():
             return instruction_of(read_expert_actions(game_dir)[0])
+        goal = grammar_instruction(game_dir)
+        if goal is not None:
+            return goal
         probe = Task(task_id="probe", env=self.name, split="", task_type="", instruction="",
                      seed=0, spec=dump_spec(rel))
         ep = AlfWorldEpisode(probe, 1, self.data_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -317,10 +318,78 @@ def test_snapped_actions_are_played_and_stored():
     backend = Misspoken(env, tasks, tok, builder)
     free = play(env, tasks, backend, builder, Sampling(), batch_size=4)
     assert not any(r["turns"][0]["admissible"] for r in free)
-    rows = play(env, tasks, backend, builder, Sampling(), batch_size=4, snap=True)
+    rows = play(env, tasks, backend, builder, Sampling(), batch_size=4, actions="snap")
     assert all(r["won"] for r in rows)
     for t, r in zip(tasks, rows, strict=True):
         expert = env.expert_play(t)
         assert [x["response"] for x in r["turns"]] == [x.response for x in expert.turns]
         assert all(x["admissible"] and x["action"] == parse_action(x["response"])
                    for x in r["turns"])
+
+
+def test_a_backend_that_cannot_constrain_snaps():
+    env = make_environment("household", max_turns=25, show_admissible=True)
+    tok = household_tokenizer(env)
+    tasks = env.make_tasks("valid_seen", 2, 0)
+    builder = PromptBuilder(tok)
+    rows = play(env, tasks, Misspoken(env, tasks, tok, builder), builder, Sampling(),
+                batch_size=2, actions="constrained")
+    assert all(r["won"] and all(x["admissible"] for x in r["turns"]) for r in rows)
+    with pytest.raises(ValueError, match="actions must be one of"):
+        play(env, tasks, Misspoken(env, tasks, tok, builder), builder, Sampling(),
+             batch_size=2, actions="closest")
+
+
+def bigram_model(tokenizer, chain, seed=0):
+    """A tiny Llama whose next-token logits depend only on the last token: its one layer adds
+    nothing (zeroed output projections), the embeddings are one-hot, so the head's column of
+    that token is the logit table. Each token of ``chain`` strongly predicts the next; other
+    logits are small and random (a fixed preference among the rest)."""
+    v = len(tokenizer)
+    cfg = LlamaConfig(vocab_size=v, hidden_size=v, intermediate_size=8, num_hidden_layers=1,
+                      num_attention_heads=1, num_key_value_heads=1, head_dim=8,
+                      pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    table = torch.rand(v, v)  # table[next, last]
+    for last, nxt in itertools.pairwise(chain):
+        table[nxt, last] = 20.0
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.eye(v))
+        model.model.layers[0].self_attn.o_proj.weight.zero_()
+        model.model.layers[0].mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.copy_(table / v ** 0.5)  # RMSNorm scales a one-hot by sqrt(v)
+    return model
+
+
+def test_constrained_decoding_picks_the_action_among_the_choices(tokenizer):
+    prompt = tokenizer("You see a mug", add_special_tokens=False)["input_ids"]
+    wanted = "Action: go to the cabinet 1"  # no thought: a bigram cannot follow two colons
+    response = tokenizer(wanted, add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    chain = [prompt[-1], *response, eos]
+    assert len(set(chain)) == len(chain), "a bigram chain needs distinct tokens"
+    gen = HFGenerator(bigram_model(tokenizer, chain), tokenizer, [eos])
+    assert gen._ragged, "the bigram model runs on the KV cache like any other"
+    free = gen.generate([prompt], Sampling())[0]
+    assert free.text == wanted, "without choices the chain is followed"
+
+    def act(choices, sampling=None, key="k"):
+        gen.submit(key, prompt, sampling or Sampling(), choices=choices)
+        got = {}
+        while key not in got:
+            got.update(gen.poll())
+        gen.release(key)
+        return got[key].text
+
+    listed = ["open drawer 3", "go to cabinet 1", "go to cabinet 12", "examine mug 2"]
+    text = act(listed)
+    assert text.startswith("Action: go to cabinet")
+    assert parse_action(text) in listed, "the policy's 'go to' is kept, 'the' is not listed"
+    assert parse_action(act(["open drawer 3", "go to the cabinet 1"])) == "go to the cabinet 1", \
+        "a listed command the policy writes anyway is played as written"
+    for i in range(8):
+        assert parse_action(act(listed, Sampling(temperature=1.0), key=i)) in listed
+    with pytest.raises(ValueError, match="empty choices"):
+        gen.submit("k", prompt, Sampling(), choices=[])
