@@ -80,8 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--split", default="valid_seen")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--games", type=int, default=16,
-                        help="games played in rotation (a split's task list probes each game "
-                             "without a recorded episode in the engine: ~7 s a game)")
+                        help="games played in rotation")
     parser.add_argument("--batch", type=int, default=8, help="episodes in play at once")
     parser.add_argument("--steps", type=int, default=240, help="env steps per setting")
     parser.add_argument("--max-turns", type=int, default=20)
