@@ -1,4 +1,5 @@
-"""``evaluate`` flow: greedy episodes of a policy on held-out splits.
+"""``evaluate`` flow: a policy's episodes on held-out splits (greedy unless
+``evaluate.temperature``).
 
     python -m flows.evaluate --model data/sft/pi_ref --name sft [--params params.yaml] [--data data]
 

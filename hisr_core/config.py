@@ -461,7 +461,7 @@ class RolloutParams(Section):
 
 
 class EvaluateParams(Section):
-    """The ``evaluate`` flow: greedy episodes on held-out splits."""
+    """The ``evaluate`` flow: episodes on held-out splits (greedy by default)."""
 
     splits: list[str] = Field(default_factory=lambda: ["valid_seen", "valid_unseen"], min_length=1)
     """Splits to play (task lists written by the ``expert`` stage)."""
@@ -469,6 +469,16 @@ class EvaluateParams(Section):
     n_tasks: int | None = Field(100, ge=1)
     """Play only the first ``n_tasks`` of each split (``null``: all); task types cycle, so any
     prefix stays balanced."""
+
+    temperature: float = Field(0.0, ge=0.0)
+    """Decoding temperature (0: greedy, the paper's evaluation). Above 0 a small policy that
+    repeats itself greedily (the same two commands until the turn limit) can leave the loop."""
+
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass when ``temperature > 0``."""
+
+    seed: int = Field(0, ge=0)
+    """Sampling seed when ``temperature > 0`` (same seed and ``hf`` backend: same episodes)."""
 
 
 class CollectParams(Section):

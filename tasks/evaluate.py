@@ -1,4 +1,4 @@
-"""Tasks of the ``evaluate`` flow: greedy episodes of a policy on held-out splits."""
+"""Tasks of the ``evaluate`` flow: a policy's episodes on held-out splits."""
 
 from __future__ import annotations
 
@@ -21,13 +21,15 @@ def task_types(env_name: str) -> list[str]:
              sections=["env", "model", "rollout", "evaluate"], retries=2)
 def evaluate_split(params: Params, model_dir: Path, split: str, tasks_path: Path, out: Path,
                    policy: str) -> dict[str, Any]:
-    """Play the split's tasks greedily; write the episodes; return success/score tables."""
+    """Play the split's tasks (greedily unless ``evaluate.temperature``); write the episodes;
+    return success/score tables."""
     env = make_environment(params.env.name, params.env.max_turns, **params.env.options)
     tasks = [Task.from_row(r) for r in contracts.read_rows(tasks_path, "tasks")]
-    if params.evaluate.n_tasks is not None:
-        tasks = tasks[: params.evaluate.n_tasks]
-    sampling = Sampling(temperature=0.0, max_new_tokens=params.rollout.max_new_tokens)
-    with open_generator(params, model_dir) as (generator, builder):
+    cfg = params.evaluate
+    if cfg.n_tasks is not None:
+        tasks = tasks[: cfg.n_tasks]
+    sampling = Sampling(cfg.temperature, cfg.top_p, params.rollout.max_new_tokens)
+    with open_generator(params, model_dir, seed=cfg.seed) as (generator, builder):
         rows = play_with_progress(params, env, tasks, generator, builder, sampling, 1, policy,
                                   f"evaluate {policy} {split}")
     contracts.write_rows(rows, out, "episodes")

@@ -114,9 +114,12 @@ def write_report(params: Params, data: Path, out: Path) -> dict[str, Any]:
     types = task_types(params.env.name)
     columns = [*types, "Avg"]
     tables = {s: success_table(found.evaluations, s, types) for s in params.evaluate.splits}
+    ev = params.evaluate
+    decoding = ("greedy" if ev.temperature == 0
+                else f"temperature {ev.temperature:g}, top-p {ev.top_p:g}, seed {ev.seed}")
     intro = (f"Environment `{params.env.name}`, model `{params.model.name_or_path}`; PPO runs: "
              f"variants {', '.join(params.sweep.variants)} x seeds "
-             f"{', '.join(map(str, params.sweep.seeds))}. Success rate in % (greedy episodes, "
+             f"{', '.join(map(str, params.sweep.seeds))}. Success rate in % ({decoding} episodes, "
              f"first {params.evaluate.n_tasks or 'all'} tasks of each split); mean ± sample std "
              "over seeds where there are several.")
     md = ["# HISR report", "", intro, ""]

@@ -173,3 +173,25 @@ def test_collect_through_a_real_vllm_server(setup, tmp_path, run_module, mlflow_
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
         log.close()
+
+
+def test_evaluation_samples_only_when_asked_and_reproducibly(setup, tmp_path):
+    from tasks.evaluate import evaluate_split
+
+    path, data = _params(setup, tmp_path, "sqlite:///unused.db", "unused")
+    base = Params.model_validate(yaml.safe_load(path.read_text()))
+    tasks = data / "tasks" / "valid_seen.parquet"
+
+    def responses(name, **evaluate):
+        params = base.model_copy(update={"evaluate": base.evaluate.model_copy(update=evaluate)})
+        out = tmp_path / f"{name}.parquet"
+        evaluate_split.fn(params, setup / "pi_ref", "valid_seen", tasks, out, "pi_ref")
+        return [[t["response"] for t in r["turns"]]
+                for r in contracts.read_rows(out, "episodes")]
+
+    greedy = responses("greedy")
+    assert greedy == responses("greedy-other-seed", seed=3), "greedy ignores the seed"
+    sampled = responses("sampled", temperature=1.0, seed=1)
+    assert sampled == responses("sampled-again", temperature=1.0, seed=1)
+    assert sampled != greedy
+    assert sampled != responses("sampled-other-seed", temperature=1.0, seed=2)
