@@ -35,7 +35,8 @@ def tokenizer():
 @pytest.mark.parametrize("history, max_tokens", [(None, 4096), (2, 4096), (None, 600)],
                          ids=["whole-episode", "history-2", "truncated"])
 def test_batched_scores_equal_the_naive_reference(tokenizer, episodes, history, max_tokens):
-    model = peaky_model(tokenizer, seed=6).double()  # float32 round-off between batch layouts reaches ~1e-5
+    # float64: in float32 the round-off between batch layouts reaches ~1e-5
+    model = peaky_model(tokenizer, seed=6).double()
     builder = PromptBuilder(tokenizer, history, max_tokens)
     batched = turn_logprobs(model, builder, episodes, max_batch_tokens=1500)
     reference = turn_logprobs_naive(model, builder, episodes)
@@ -61,7 +62,8 @@ def test_without_past_lists_batched_scores_equal_the_naive_reference(tokenizer, 
         ep = env.expert_play(t, 0.2)
         episodes.append((system_text(t.instruction, env.command_grammar),
                          [(x.observation, x.response) for x in ep.turns]))
-    model = peaky_model(tokenizer, seed=6).double()  # float32 round-off between batch layouts reaches ~1e-5
+    # float64: in float32 the round-off between batch layouts reaches ~1e-5
+    model = peaky_model(tokenizer, seed=6).double()
     builder = PromptBuilder(tokenizer, history, 4096, past_admissible=False)
     batched = turn_logprobs(model, builder, episodes, max_batch_tokens=3000)
     reference = turn_logprobs_naive(model, builder, episodes)
