@@ -44,25 +44,25 @@ def main(argv: list[str] | None = None) -> None:
     from hisr_core import contracts
     from hisr_core.envs import make_environment
     from hisr_core.models import load_model, load_tokenizer
-    from hisr_core.prompts import PromptBuilder, system_text
+    from hisr_core.prompts import PromptBuilder
     from hisr_core.scoring import episode_of, turn_logprobs, turn_logprobs_naive
 
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"no model folder at {args.model} (run `dvc repro sft` first)")
     torch.set_num_threads(args.threads)
     env = make_environment("household", 40)
+    builder = PromptBuilder(load_tokenizer(args.model), None, 2048)
     if args.d_st is not None:
         rows = contracts.read_rows(args.d_st, "segmented")[:args.episodes]
-        episodes = [episode_of(r, env.command_grammar) for r in rows]
+        episodes = [episode_of(builder, r, env.command_grammar) for r in rows]
     else:
         episodes = []
         for task in env.make_tasks("valid_seen", args.episodes, 0):
             ep = env.expert_play(task, 0.1)
-            episodes.append((system_text(task.instruction, env.command_grammar),
+            episodes.append((builder.system(task.instruction, env.command_grammar),
                              [(t.observation, t.response) for t in ep.turns]))
     turns = sum(len(t) for _, t in episodes)
     model = load_model(args.model).eval()
-    builder = PromptBuilder(load_tokenizer(args.model), None, 2048)
     start = time.perf_counter()
     batched = turn_logprobs(model, builder, episodes)
     batched_s = time.perf_counter() - start

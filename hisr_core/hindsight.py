@@ -117,7 +117,7 @@ def hindsight_example(builder: PromptBuilder, system: str, turns: Sequence[tuple
 def trajectory_examples(builder: PromptBuilder, row: Mapping[str, Any], grammar: Sequence[str],
                         window: Window = Window()) -> list[Encoded]:
     """One example per turn of a ``D_ct`` / ``D_st`` row, in turn order."""
-    system, turns = episode_of(row, grammar)
+    system, turns = episode_of(builder, row, grammar)
     return [hindsight_example(builder, system, turns, k, float(row["outcome"]), bool(row["won"]),
                               row["final_observation"], window) for k in range(len(turns))]
 

@@ -360,7 +360,7 @@ def score(learner: Learner, frozen: Frozen, builder: PromptBuilder, grammar: Seq
         return f"score {label}" if progress else None
 
     pad = _pad_id(builder)
-    sequences = [scoring_sequences(builder, *episode_of(r, grammar)) for r in rows]
+    sequences = [scoring_sequences(builder, *episode_of(builder, r, grammar)) for r in rows]
     flat = [enc for seqs in sequences for enc in seqs]
     counts = [len(seqs) for seqs in sequences]
 

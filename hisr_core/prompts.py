@@ -1,8 +1,9 @@
 """Prompt building: episodes as chat token ids, with a mask marking response tokens.
 
 One module serves SFT, rollouts, the reward models and PPO. An episode is a chat: a system
-message (what the agent is, the command grammar, the task), then for every turn k the
-observation ``o_k`` as a user message and the response ``a_k`` as an assistant message.
+message (what the agent is, the command grammar unless ``grammar=False``, the task), then for
+every turn k the observation ``o_k`` as a user message and the response ``a_k`` as an
+assistant message.
 
 Token ids are built piece by piece: every wrapper string of the template (role headers, end
 markers) and every message text is tokenized on its own and appended, and the response mask is
@@ -30,16 +31,18 @@ from hisr_core.config import ModelParams
 from hisr_core.envs.base import ADMISSIBLE_MARKER
 from hisr_core.models import ASSISTANT, END, SYSTEM, USER
 
-SYSTEM_TEMPLATE = (
+SYSTEM_PREAMBLE = (
     "You are an agent in a text environment. Each turn you see an observation and answer with "
     "one line of reasoning and one command, exactly as:\nThought: <your reasoning>\n"
-    "Action: <command>\nCommands: {grammar}.\nYour task is to: {instruction}"
+    "Action: <command>\n"
 )
 
 
 def system_text(instruction: str, grammar: Sequence[str]) -> str:
-    """The system message of an episode (``grammar``: the environment's command templates)."""
-    return SYSTEM_TEMPLATE.format(grammar="; ".join(grammar), instruction=instruction)
+    """The system message of an episode (``grammar``: the environment's command templates;
+    empty: no ``Commands:`` line)."""
+    commands = f"Commands: {'; '.join(grammar)}.\n" if grammar else ""
+    return f"{SYSTEM_PREAMBLE}{commands}Your task is to: {instruction}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,16 +149,20 @@ class PromptBuilder:
         max_tokens: the longest prompt or training sequence, in tokens.
         past_admissible: False drops the admissible list from every observation but the
             newest of a sequence.
+        grammar: False leaves the environment's command templates out of the system message
+            (:meth:`system`).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, history: int | None = None,
-                 max_tokens: int = 4096, past_admissible: bool = True) -> None:
+                 max_tokens: int = 4096, past_admissible: bool = True,
+                 grammar: bool = True) -> None:
         if history is not None and history < 0:
             raise ValueError(f"history must be >= 0 or None, got {history}")
         self.tokenizer = tokenizer
         self.history = history
         self.max_tokens = max_tokens
         self.past_admissible = past_admissible
+        self.grammar = grammar
         # Every turn's prompt re-encodes the episode so far: its pieces are tokenized once.
         self._memo: dict[str, list[int]] = {}
         self.parts = (chat_template_parts(tokenizer) if getattr(tokenizer, "chat_template", None)
@@ -175,8 +182,15 @@ class PromptBuilder:
 
     @classmethod
     def of(cls, tokenizer: PreTrainedTokenizerBase, model: ModelParams) -> PromptBuilder:
-        """The builder ``params.model`` describes (history, max_tokens, past_admissible)."""
-        return cls(tokenizer, model.history, model.max_tokens, model.past_admissible)
+        """The builder ``params.model`` describes (history, max_tokens, past_admissible,
+        grammar)."""
+        return cls(tokenizer, model.history, model.max_tokens, model.past_admissible,
+                   model.grammar)
+
+    def system(self, instruction: str, grammar: Sequence[str]) -> str:
+        """The system message of an episode: :func:`system_text`, with ``grammar`` (the
+        environment's command templates) only when this builder shows it."""
+        return system_text(instruction, grammar if self.grammar else ())
 
     def _ids(self, text: str) -> list[int]:
         """Token ids of one piece (shared with the memo: callers concatenate, never mutate)."""

@@ -24,7 +24,7 @@ from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 from hisr_core.envs import Environment, StepResult, Task
 from hisr_core.envs.base import ADMISSIBLE_MARKER
-from hisr_core.prompts import PromptBuilder, system_text
+from hisr_core.prompts import PromptBuilder
 from hisr_core.react import action_label_end, parse_action, replace_action
 
 if TYPE_CHECKING:
@@ -606,7 +606,7 @@ def play(
         new = []
         while queue and len(active) + len(new) < batch_size:
             task, sample = queue.pop()
-            new.append(_Slot(task, sample, system_text(task.instruction, env.command_grammar)))
+            new.append(_Slot(task, sample, builder.system(task.instruction, env.command_grammar)))
         if new:
             for slot, obs in zip(new, stepper.start([(s.key, s.task) for s in new]),
                                  strict=True):

@@ -19,15 +19,16 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from hisr_core.gated_attention import forward_kwargs
-from hisr_core.prompts import Encoded, PromptBuilder, system_text
+from hisr_core.prompts import Encoded, PromptBuilder
 from hisr_core.training import lm_parts
 
 Episode = tuple[str, list[tuple[str, str]]]
 
 
-def episode_of(row: Mapping[str, Any], grammar: Sequence[str]) -> Episode:
-    """(system text, (observation, response) turns) of a trajectory row, as the policy saw it."""
-    return (system_text(row["instruction"], grammar),
+def episode_of(builder: PromptBuilder, row: Mapping[str, Any], grammar: Sequence[str]) -> Episode:
+    """(system text, (observation, response) turns) of a trajectory row, as the policy saw it
+    (the system message as ``builder`` writes it)."""
+    return (builder.system(row["instruction"], grammar),
             [(t["observation"], t["response"]) for t in row["turns"]])
 
 

@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 from hisr_core.config import FitParams, LoraParams
 from hisr_core.fit import LogFn, fit, setup
 from hisr_core.gated_attention import forward_kwargs
-from hisr_core.prompts import Encoded, PromptBuilder, system_text
+from hisr_core.prompts import Encoded, PromptBuilder
 from hisr_core.scoring import right_pad
 from hisr_core.training import lm_parts
 
@@ -47,7 +47,7 @@ def encode_trajectories(rows: Iterable[Mapping[str, Any]], builder: PromptBuilde
     """
     out: list[Encoded] = []
     for row in rows:
-        system = system_text(row["instruction"], grammar)
+        system = builder.system(row["instruction"], grammar)
         turns = [(t["observation"], t["response"]) for t in row["turns"]]
         learn = [bool(t.get("admissible", True)) for t in row["turns"]]
         seqs = builder.training_sequences(system, turns, learn)

@@ -66,7 +66,7 @@ def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_
         hind = hindsight_logprobs(load_gated(out_dir, dtype=dtype).eval(), builder, held,
                                   grammar, window, progress="held-out pi_hind")
         ref = turn_logprobs(load_model(pi_ref, dtype=dtype).eval(), builder,
-                            [episode_of(r, grammar) for r in held], progress="held-out pi_ref")
+                            [episode_of(builder, r, grammar) for r in held], progress="held-out pi_ref")
         report["heldout"] = {"nll_hind": _nll(hind), "nll_ref": _nll(ref),
                              "trajectories": len(held),
                              "tokens": sum(len(x) for ep in hind for x in ep)}

@@ -48,7 +48,7 @@ def score(params: Params, d_st: Path, pi_ref: Path, pi_hind: Path, sprm: Path,
     grammar = environment_class(params.env.name).command_grammar
     builder = PromptBuilder.of(load_tokenizer(pi_ref), params.model)
     policy = turn_logprobs(load_model(pi_ref, dtype=dtype).eval(), builder,
-                           [episode_of(r, grammar) for r in rows], cfg.max_batch_tokens,
+                           [episode_of(builder, r, grammar) for r in rows], cfg.max_batch_tokens,
                            progress="score pi_ref")
     hind = hindsight_logprobs(load_gated(pi_hind, dtype=dtype).eval(), builder, rows, grammar,
                               Window.of(params.hindsight),

@@ -30,7 +30,7 @@ def encode_rows(rows: list[dict[str, Any]], builder: PromptBuilder, env_name: st
                 turn_level: bool = False) -> list[Trajectory]:
     """``D_st`` rows as the SPRM reads them (with their own segments, or turn segments)."""
     grammar = environment_class(env_name).command_grammar
-    return [encode_trajectory(builder, *episode_of(r, grammar), segments_of(r, turn_level),
+    return [encode_trajectory(builder, *episode_of(builder, r, grammar), segments_of(r, turn_level),
                               r["outcome"]) for r in rows]
 
 

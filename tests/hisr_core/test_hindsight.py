@@ -63,7 +63,7 @@ def _context(tokenizer, enc) -> str:
 def test_the_example_is_the_policy_sequence_after_a_system_text_with_the_future(rows, tokenizer):
     builder = PromptBuilder(tokenizer, None, 4096)
     row = rows[1]
-    system, turns = episode_of(row, GRAMMAR)
+    system, turns = episode_of(builder, row, GRAMMAR)
     k = 2
     enc = hindsight_example(builder, system, turns, k, row["outcome"], row["won"],
                             row["final_observation"])
@@ -97,7 +97,7 @@ def _context_turns(tokenizer, enc, turns) -> list[int]:
 
 def test_the_window_keeps_the_policy_past_and_the_block_its_own_budget(rows, tokenizer):
     row = max(rows, key=lambda r: r["n_turns"])
-    system, turns = episode_of(row, GRAMMAR)
+    system, turns = episode_of(PromptBuilder(tokenizer), row, GRAMMAR)
     assert len({resp for _, resp in turns}) == len(turns)
     m, k = len(turns), 3
 
@@ -186,7 +186,7 @@ def test_closed_gates_are_exactly_pi_ref_and_open_ones_read_the_block(rows, tiny
                                                                       block_at, max_tokens):
     """Also when the policy's prompts drop old turns (max_tokens 600)."""
     builder = PromptBuilder(tokenizer, None, max_tokens)
-    episodes = [episode_of(r, GRAMMAR) for r in rows]
+    episodes = [episode_of(builder, r, GRAMMAR) for r in rows]
     dropped = any(builder.prompt(system, turns[:k], turns[k][0]).turns[0] > 0
                   for system, turns in episodes for k in range(len(turns)))
     assert dropped == (max_tokens < 4096)
@@ -211,7 +211,7 @@ def test_batched_hindsight_scores_equal_one_at_a_time(rows, tiny_dir, tokenizer,
         model.hind_pointer.to_scale.fill_(0.1)
     builder = PromptBuilder(tokenizer, None, 4096)
     batched = hindsight_logprobs(model, builder, rows, GRAMMAR, window, max_batch_tokens=900)
-    policy = turn_logprobs(model, builder, [episode_of(r, GRAMMAR) for r in rows])
+    policy = turn_logprobs(model, builder, [episode_of(builder, r, GRAMMAR) for r in rows])
     for row, got, pol in zip(rows, batched, policy, strict=True):
         assert [len(x) for x in got] == [len(x) for x in pol]
         for k, enc in enumerate(trajectory_examples(builder, row, GRAMMAR, window)):

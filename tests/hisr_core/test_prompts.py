@@ -153,3 +153,25 @@ def test_past_admissible_false_shows_only_the_newest_list():
         assert lists_shown(tok, s) == 1
         want = drop.prompt(SYSTEM, LISTED[:k], LISTED[k][0]).input_ids
         assert s.input_ids[:len(want)] == want
+
+
+def test_grammar_false_leaves_the_command_templates_out_of_every_system_message():
+    from hisr_core.config import ModelParams
+    from hisr_core.sft import encode_trajectories
+
+    tok = builtin_tokenizer()
+    grammar = ["go to {recep}", "take {obj} from {recep}"]
+    shown, hidden = PromptBuilder(tok), PromptBuilder.of(tok, ModelParams(grammar=False))
+    assert shown.system("put a mug in shelf", grammar) == SYSTEM
+    assert "Commands:" in SYSTEM and "take {obj}" in SYSTEM
+    text = hidden.system("put a mug in shelf", grammar)
+    assert "Commands:" not in text and "{recep}" not in text
+    assert text.endswith("Action: <command>\nYour task is to: put a mug in shelf")
+    # Training sequences (and so pi_ref) see the system message the builder writes.
+    row = {"instruction": "put a mug in shelf",
+           "turns": [{"observation": o, "response": r} for o, r in TURNS]}
+    for builder, want in ((shown, True), (hidden, False)):
+        seq = encode_trajectories([row], builder, grammar)[0]
+        decoded = tok.decode(seq.input_ids, skip_special_tokens=True)
+        assert ("take {obj} from {recep}" in decoded) is want
+        assert "Your task is to: put a mug in shelf" in decoded

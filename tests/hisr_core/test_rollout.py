@@ -53,10 +53,9 @@ class ReplayExpert(ScriptedBackend):
     def __init__(self, env, tasks, tokenizer, builder, broken=()):
         super().__init__(tokenizer)
         self.by_prompt = {}
-        from hisr_core.prompts import system_text
         for t in tasks:
             ep = env.expert_play(t)
-            system = system_text(t.instruction, env.command_grammar)
+            system = builder.system(t.instruction, env.command_grammar)
             turns = []
             for x in ep.turns:
                 key = tuple(builder.prompt(system, turns, x.observation).input_ids)
@@ -67,9 +66,11 @@ class ReplayExpert(ScriptedBackend):
         return self.by_prompt.get(tuple(prompt), "Thought: lost")
 
 
-def test_play_records_every_turn_and_refills(env, tokenizer):
+@pytest.mark.parametrize("grammar", [True, False])
+def test_play_records_every_turn_and_refills(env, tokenizer, grammar):
     tasks = env.make_tasks("valid_seen", 7, 0)
-    builder = PromptBuilder(tokenizer)
+    # The replay knows only prompts whose system message is the builder's (grammar or not).
+    builder = PromptBuilder(tokenizer, grammar=grammar)
     backend = ReplayExpert(env, tasks, tokenizer, builder, broken={tasks[2].task_id})
     rows = play(env, tasks, backend, builder, Sampling(), batch_size=3, policy="replay")
     assert [r["task_id"] for r in rows] == [t.task_id for t in tasks]
