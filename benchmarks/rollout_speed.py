@@ -43,21 +43,23 @@ def _model_dir(arg: str | None, tmp: Path) -> Path:
     return build_builtin("builtin:small", texts, 0, tmp / "small")
 
 
-def measure(model_dir: Path, batch: int, episodes: int, seed: int, threads: int) -> dict:
+def measure(model_dir: Path, batch: int, episodes: int, seed: int, threads: int,
+            dtype: str = "float32") -> dict:
     import torch
 
     from hisr_core.envs import make_environment
     from hisr_core.models import load_model, load_tokenizer
     from hisr_core.prompts import PromptBuilder
     from hisr_core.rollout import HFGenerator, Sampling, play
+    from hisr_core.training import resolve_dtype
 
     torch.set_num_threads(threads)
     env = make_environment("household", 40)
     tasks = env.make_tasks("valid_seen", episodes, seed)
     tokenizer = load_tokenizer(model_dir)
     builder = PromptBuilder(tokenizer, None, 2048)
-    gen = HFGenerator(load_model(model_dir), tokenizer, builder.stop_ids, seed=seed,
-                      max_rows=batch)
+    model = load_model(model_dir, dtype=resolve_dtype(dtype))
+    gen = HFGenerator(model, tokenizer, builder.stop_ids, seed=seed, max_rows=batch)
     start = time.perf_counter()
     rows = play(env, tasks, gen, builder, Sampling(temperature=1.0), batch_size=batch)
     seconds = time.perf_counter() - start
@@ -77,19 +79,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--single-episodes", type=int, default=6, help="episodes at B=1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights and compute dtype of both settings (model.dtype)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _model_dir(args.model, Path(tmp))
-        single = measure(model_dir, 1, args.single_episodes, args.seed, args.threads)
-        batched = measure(model_dir, args.batch, args.episodes, args.seed, args.threads)
+        single = measure(model_dir, 1, args.single_episodes, args.seed, args.threads, args.dtype)
+        batched = measure(model_dir, args.batch, args.episodes, args.seed, args.threads,
+                          args.dtype)
     result = {
         "benchmark": "rollout_speed", "env": "household", "backend": "hf",
         "model": (str(model_dir.resolve().relative_to(ROOT))
                   if model_dir.resolve().is_relative_to(ROOT) else "builtin:small (untrained)"),
         "single": single, "batched": batched,
         "speedup": round(batched["env_steps_per_s"] / single["env_steps_per_s"], 2),
-        "python": platform.python_version(), "threads": args.threads,
+        "python": platform.python_version(), "threads": args.threads, "dtype": args.dtype,
     }
     emit(result, args.out)
 
