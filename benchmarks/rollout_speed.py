@@ -27,12 +27,14 @@ except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(ROOT))
 
 
-def _model_dir(arg: str | None, tmp: Path) -> Path:
+def _model_dir(arg: str | None, tmp: Path) -> tuple[Path, str]:
+    """The policy measured and its name in the result: ``--model``, else ``data/sft/pi_ref``,
+    else a new untrained one in ``tmp``."""
     if arg:
-        return Path(arg)
+        return Path(arg), arg
     default = ROOT / "data" / "sft" / "pi_ref"
     if (default / "config.json").is_file():
-        return default
+        return default, "data/sft/pi_ref"
     from hisr_core.envs import make_environment
     from hisr_core.models import build_builtin
 
@@ -40,7 +42,7 @@ def _model_dir(arg: str | None, tmp: Path) -> Path:
     texts = []
     for t in env.make_tasks("train", 200, 0):
         texts += [x.observation + "\n" + x.response for x in env.expert_play(t).turns]
-    return build_builtin("builtin:small", texts, 0, tmp / "small")
+    return build_builtin("builtin:small", texts, 0, tmp / "small"), "builtin:small (untrained)"
 
 
 def measure(model_dir: Path, batch: int, episodes: int, seed: int, threads: int,
@@ -84,14 +86,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = _model_dir(args.model, Path(tmp))
+        model_dir, model_name = _model_dir(args.model, Path(tmp))
         single = measure(model_dir, 1, args.single_episodes, args.seed, args.threads, args.dtype)
         batched = measure(model_dir, args.batch, args.episodes, args.seed, args.threads,
                           args.dtype)
     result = {
         "benchmark": "rollout_speed", "env": "household", "backend": "hf",
-        "model": (str(model_dir.resolve().relative_to(ROOT))
-                  if model_dir.resolve().is_relative_to(ROOT) else "builtin:small (untrained)"),
+        "model": model_name,
         "single": single, "batched": batched,
         "speedup": round(batched["env_steps_per_s"] / single["env_steps_per_s"], 2),
         "python": platform.python_version(), "threads": args.threads, "dtype": args.dtype,
