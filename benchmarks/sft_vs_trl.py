@@ -183,7 +183,7 @@ def run_trl(path: Path, sequences: list[Encoded], args: argparse.Namespace,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="builtin:small",
-                        help="builtin:tiny|small|small-kv4|base (created fresh) or a Hugging Face folder")
+                        help="builtin:tiny|small|small-mq|base (created fresh) or a Hugging Face folder")
     parser.add_argument("--data", type=Path, help="a D_bc Parquet file (default: synthetic)")
     parser.add_argument("--episodes", type=int, default=160)
     parser.add_argument("--steps", type=int, default=20)

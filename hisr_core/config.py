@@ -97,7 +97,7 @@ class ModelParams(Section):
     """The policy model and how episodes are put into its context."""
 
     name_or_path: str = Field("builtin:small", min_length=1)
-    """A Hugging Face causal LM (local folder or hub id) or ``builtin:tiny|small|small-kv4|base``."""
+    """A Hugging Face causal LM (local folder or hub id) or ``builtin:tiny|small|small-mq|base``."""
 
     history: int | None = Field(None, ge=0)
     """Turns of history kept in context besides the task (``null``: all that fit)."""

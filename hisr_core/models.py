@@ -40,18 +40,16 @@ class BuiltinSize:
     max_position_embeddings: int = 4096
 
 
-#: One KV head (multi-query attention) where not said otherwise: batched decoding on a CPU is
-#: bound by reading the rows' KV caches, and one head reads a quarter of what four do
-#: (benchmarks/rollout_speed.py: household at B=32 1.7x faster than with four).
 BUILTIN_SIZES: dict[str, BuiltinSize] = {
     # < 1M parameters: for tests. Head size 32: the smallest vLLM's CPU attention serves.
     "tiny": BuiltinSize(64, 176, 2, 2, 1, 512),
     # A few million parameters: the default, trained by SFT on a 2-core CPU in minutes.
-    "small": BuiltinSize(256, 704, 4, 8, 1, 2048),
-    # ``small`` with four KV heads, as it was before: the ALFWorld and VirtualHome profiles'
-    # figures were measured with it (on ALFWorld one KV head scored 7.9%, PICK2 0%, vs 10.7%).
-    "small-kv4": BuiltinSize(256, 704, 4, 8, 4, 2048),
-    "base": BuiltinSize(512, 1408, 8, 8, 1, 4096),
+    "small": BuiltinSize(256, 704, 4, 8, 4, 2048),
+    # ``small`` with one KV head (multi-query attention). Batched decoding on a CPU is bound by
+    # reading the rows' KV caches, so household at B=32 plays 1.7x faster; but its household
+    # pi_ref scored 34% on valid_unseen against 51% (README Results, 2026-12-03).
+    "small-mq": BuiltinSize(256, 704, 4, 8, 1, 2048),
+    "base": BuiltinSize(512, 1408, 8, 8, 4, 4096),
 }
 
 
