@@ -23,6 +23,7 @@ This module imports DeepSpeed only when that backend is chosen (it is the option
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -127,6 +128,7 @@ def init_distributed() -> DistInfo:
 
     With ``WORLD_SIZE > 1`` in the environment the default group is initialised (nccl on a GPU,
     gloo on a CPU) unless it already is; otherwise this is a single process and no group is made.
+    A group made here is destroyed at exit (:func:`_destroy_group`).
     """
     if dist.is_available() and dist.is_initialized():
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -140,7 +142,16 @@ def init_distributed() -> DistInfo:
             dist.init_process_group("nccl", device_id=torch.device("cuda", local))
         else:
             dist.init_process_group("gloo")
+        atexit.register(_destroy_group)
     return DistInfo(rank, world, local)
+
+
+def _destroy_group() -> None:
+    """Destroy the default group while the interpreter is still whole. Left to interpreter
+    finalization, gloo's worker threads can still hold work whose tensors need the GIL, and a
+    rank then dies at exit with SIGABRT ("terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -162,6 +173,7 @@ def init_deepspeed_distributed() -> DistInfo:
             os.environ.setdefault(key, value)
     info = init_distributed()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    atexit.register(_destroy_group)  # the group DeepSpeed made for one process too
     return info
 
 
