@@ -46,14 +46,14 @@ def _model_dir(arg: str | None, tmp: Path) -> tuple[Path, str]:
 
 
 def measure(model_dir: Path, batch: int, episodes: int, seed: int, threads: int,
-            dtype: str = "float32") -> dict:
+            dtype: str = "float32", kv_dtype: str = "auto") -> dict:
     import torch
 
     from hisr_core.envs import make_environment
     from hisr_core.models import load_model, load_tokenizer
     from hisr_core.prompts import PromptBuilder
     from hisr_core.rollout import HFGenerator, Sampling, play
-    from hisr_core.training import resolve_dtype
+    from hisr_core.training import resolve_dtype, resolve_kv_dtype
 
     torch.set_num_threads(threads)
     env = make_environment("household", 40)
@@ -61,7 +61,8 @@ def measure(model_dir: Path, batch: int, episodes: int, seed: int, threads: int,
     tokenizer = load_tokenizer(model_dir)
     builder = PromptBuilder(tokenizer, None, 2048)
     model = load_model(model_dir, dtype=resolve_dtype(dtype))
-    gen = HFGenerator(model, tokenizer, builder.stop_ids, seed=seed, max_rows=batch)
+    gen = HFGenerator(model, tokenizer, builder.stop_ids, seed=seed, max_rows=batch,
+                      kv_dtype=resolve_kv_dtype(kv_dtype))
     start = time.perf_counter()
     rows = play(env, tasks, gen, builder, Sampling(temperature=1.0), batch_size=batch)
     seconds = time.perf_counter() - start
@@ -83,19 +84,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and compute dtype of both settings (model.dtype)")
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="KV cache dtype of both settings (rollout.kv_dtype)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, model_name = _model_dir(args.model, Path(tmp))
-        single = measure(model_dir, 1, args.single_episodes, args.seed, args.threads, args.dtype)
+        single = measure(model_dir, 1, args.single_episodes, args.seed, args.threads, args.dtype,
+                         args.kv_dtype)
         batched = measure(model_dir, args.batch, args.episodes, args.seed, args.threads,
-                          args.dtype)
+                          args.dtype, args.kv_dtype)
     result = {
         "benchmark": "rollout_speed", "env": "household", "backend": "hf",
         "model": model_name,
         "single": single, "batched": batched,
         "speedup": round(batched["env_steps_per_s"] / single["env_steps_per_s"], 2),
         "python": platform.python_version(), "threads": args.threads, "dtype": args.dtype,
+        "kv_dtype": args.kv_dtype,
     }
     emit(result, args.out)
 

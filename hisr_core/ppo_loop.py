@@ -254,14 +254,16 @@ def iteration_tasks(tasks: Sequence[Task], cfg: PpoParams, iteration: int) -> li
 
 def collect(policy: nn.Module, builder: PromptBuilder, env: Environment, tasks: Sequence[Task],
             cfg: PpoParams, max_new_tokens: int, batch_size: int, iteration: int,
-            progress: bool = False) -> list[dict[str, Any]]:
+            progress: bool = False, kv_dtype: torch.dtype | None = None
+            ) -> list[dict[str, Any]]:
     """Play ``tasks`` ``samples_per_task`` times each with the current policy (sampling seeded
     by iteration and episode, so a resumed run draws the same episodes)."""
     from tqdm.auto import tqdm
 
     model = unwrap_hf(policy)  # LoRA layers stay injected; plain HF forward signature
     generator = HFGenerator(model, builder.tokenizer, builder.stop_ids,
-                            seed=cfg.seed * 1_000_003 + iteration, max_rows=batch_size)
+                            seed=cfg.seed * 1_000_003 + iteration, max_rows=batch_size,
+                            kv_dtype=kv_dtype)
     with tqdm(total=len(tasks) * cfg.samples_per_task, desc=f"iteration {iteration + 1} play",
               unit="ep", disable=not progress, leave=False, mininterval=2) as bar:
         rows = play(env, tasks, generator, builder,
@@ -640,6 +642,7 @@ class Inputs:
     alpha: float = 0.1
     max_new_tokens: int = 96
     batch_size: int = 32
+    kv_dtype: torch.dtype | None = None
     progress: bool = False
 
 
@@ -655,7 +658,8 @@ def run_iteration(learner: Learner, frozen: Frozen, inputs: Inputs, iteration: i
         chosen = iteration_tasks(inputs.tasks, cfg, iteration)[info.rank::info.world_size]
         rows = collect(learner.policy_model, inputs.builder, inputs.env,
                        [inputs.tasks[i] for i in chosen], cfg, inputs.max_new_tokens,
-                       inputs.batch_size, iteration, inputs.progress and info.is_main)
+                       inputs.batch_size, iteration, inputs.progress and info.is_main,
+                       inputs.kv_dtype)
         keys = [(i, s) for i in chosen for s in range(cfg.samples_per_task)]
         # 2. segment
         segments = segment(rows, learner.variant, inputs.segmenter, inputs.verbs,

@@ -11,12 +11,13 @@ collection (sampling) and, later, every PPO iteration.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import inspect
 import math
 import zlib
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 import torch
@@ -122,6 +123,32 @@ class _OneShot:
     n: int
 
 
+#: The attention :class:`HFGenerator` runs a model under while its KV cache is stored in another
+#: dtype than the model computes in (see :func:`_kv_cast_sdpa`).
+KV_CAST_ATTENTION = "hisr_kv_cast_sdpa"
+
+
+def _kv_cast_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any
+                  ) -> tuple[torch.Tensor, Any]:
+    """Transformers' SDPA attention in the cache's dtype: the query is cast to it, the output
+    back. Shape: query [B, H, T, D], key and value [B, H_kv, S, D] → ([B, T, H, D], None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out, weights = sdpa_attention_forward(module, query.to(key.dtype), key, value,
+                                          attention_mask, **kwargs)
+    return out.to(query.dtype), weights
+
+
+def _register_kv_cast() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if KV_CAST_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(KV_CAST_ATTENTION, _kv_cast_sdpa)
+        AttentionMaskInterface.register(KV_CAST_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
 def key_seed(seed: int, key: Hashable) -> int:
     """A sampling seed for one key, the same in every process (``hash`` of a str is not)."""
     return (seed * 1_000_003 + zlib.crc32(repr(key).encode())) % 2**63
@@ -135,11 +162,14 @@ class _RaggedCache(Cache):
     padding tokens write. Before each forward :meth:`plan` says which rows the batch holds
     (``None``: rows ``0..b-1``, read without copying), the column each input token writes, and
     how many columns attention reads. The caller builds the matching 4-D mask.
+
+    ``dtype``: what keys and values are stored (and attention reads) in; None: as they come.
     """
 
-    def __init__(self, rows: int) -> None:
+    def __init__(self, rows: int, dtype: torch.dtype | None = None) -> None:
         super().__init__(layers=[])
         self.n_rows = rows
+        self.dtype = dtype
         self.capacity = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -171,6 +201,8 @@ class _RaggedCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Shape: key/value states (b, H_kv, T, D) → keys, values (b, H_kv, width, D)."""
+        if self.dtype is not None:
+            key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
         if layer_idx == len(self.keys):
             shape = (self.n_rows, key_states.shape[1], self.capacity + 1, key_states.shape[3])
             self.keys.append(key_states.new_zeros(shape))
@@ -236,12 +268,23 @@ class HFGenerator(Streaming):
         seed: seed of sampling (each key draws from its own generator, so a response does not
             depend on which other requests shared its batch).
         max_rows: most requests generating at once.
+        kv_dtype: what the KV cache is stored and attention computed in (None: the model's
+            dtype). Decoding many rows on a CPU is bound by reading the cache, so bfloat16
+            under a float32 model halves what each step reads (needs SDPA attention).
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 stop_ids: Sequence[int], seed: int = 0, max_rows: int = 32) -> None:
+                 stop_ids: Sequence[int], seed: int = 0, max_rows: int = 32,
+                 kv_dtype: torch.dtype | None = None) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        attention = getattr(model.config, "_attn_implementation", "eager")
+        self._kv_cast = kv_dtype is not None and kv_dtype != next(model.parameters()).dtype
+        if self._kv_cast:
+            if attention != "sdpa":
+                raise ValueError(f"a {kv_dtype} KV cache under a {next(model.parameters()).dtype}"
+                                 f" model needs SDPA attention; this model uses {attention!r}")
+            _register_kv_cast()
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.stop = set(stop_ids)
@@ -252,12 +295,12 @@ class HFGenerator(Streaming):
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._keep_arg = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-        self._bool_mask = getattr(model.config, "_attn_implementation", "eager") != "eager"
+        self._bool_mask = attention != "eager"
         self._rows = [_Row() for _ in range(max_rows)]
         self._where: dict[Hashable, int] = {}
         self._waiting: list[tuple[Hashable, list[int], Sampling, list[str] | None]] = []
         self._clock = 0
-        self._cache = _RaggedCache(max_rows)
+        self._cache = _RaggedCache(max_rows, kv_dtype)
         self._ragged = self._ragged_matches_plain()
         #: Prompt tokens computed, and taken from a key's cache, so far.
         self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_reused": 0}
@@ -377,11 +420,27 @@ class HFGenerator(Streaming):
 
     def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
               cache: Cache | None) -> torch.Tensor:
-        out = self.model(input_ids=ids.to(self.device), attention_mask=mask,
-                         position_ids=pos.to(self.device), use_cache=cache is not None,
-                         **({self._cache_arg: cache} if cache is not None else {}),
-                         **self._keep_arg)
+        with self._attention():
+            out = self.model(input_ids=ids.to(self.device), attention_mask=mask,
+                             position_ids=pos.to(self.device), use_cache=cache is not None,
+                             **({self._cache_arg: cache} if cache is not None else {}),
+                             **self._keep_arg)
         return out.logits[:, -1].float()
+
+    @contextlib.contextmanager
+    def _attention(self) -> Iterator[None]:
+        """The model under :data:`KV_CAST_ATTENTION` for one forward pass when the cache has
+        its own dtype (only then: the model is shared, e.g. PPO trains it between rollouts)."""
+        if not self._kv_cast:
+            yield
+            return
+        config = self.model.config
+        saved = config._attn_implementation
+        config._attn_implementation = KV_CAST_ATTENTION
+        try:
+            yield
+        finally:
+            config._attn_implementation = saved
 
     def _plain(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
         """Logits (len(seqs), V) after each whole sequence, without a cache (left padding)."""
@@ -399,7 +458,8 @@ class HFGenerator(Streaming):
     @torch.inference_mode()
     def _ragged_matches_plain(self) -> bool:
         """Whether the ragged cache gives this model's plain logits: two rows of different
-        lengths, a prompt pass then one token each, against whole-sequence passes."""
+        lengths, a prompt pass then one token each, against whole-sequence passes (the cache
+        in the model's dtype: this checks the layout, not a ``kv_dtype``'s rounding)."""
         vocab = min(int(getattr(self.model.config, "vocab_size", 64) or 64), 64)
         seqs = [[(7 * k + 3) % vocab for k in range(6)], [(5 * k + 1) % vocab for k in range(9)]]
         saved = self._rows, self._cache

@@ -15,7 +15,7 @@ from hisr_core.envs import Environment, Task
 from hisr_core.models import load_model, load_tokenizer
 from hisr_core.prompts import PromptBuilder
 from hisr_core.rollout import Generator, HFGenerator, Sampling, play
-from hisr_core.training import resolve_dtype
+from hisr_core.training import resolve_dtype, resolve_kv_dtype
 
 
 def device() -> str:
@@ -46,7 +46,8 @@ def open_generator(params: Params, model_dir: Path,
         return
     model = load_model(model_dir, dtype=resolve_dtype(params.model.dtype)).to(device())
     yield HFGenerator(model, tokenizer, builder.stop_ids, seed=seed,
-                      max_rows=params.rollout.batch_size), builder
+                      max_rows=params.rollout.batch_size,
+                      kv_dtype=resolve_kv_dtype(params.rollout.kv_dtype)), builder
 
 
 def play_with_progress(params: Params, env: Environment, tasks: Sequence[Task],

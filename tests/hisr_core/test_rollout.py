@@ -180,6 +180,33 @@ def test_ragged_cache_serves_both_mask_kinds(tokenizer, attn):
     assert out[0].token_ids == ref_new[: len(out[0].token_ids)]
 
 
+def test_a_bfloat16_kv_cache_under_a_float32_model(tokenizer):
+    """The cache is stored and read in bfloat16 while the model computes in float32: greedy
+    responses of a peaky model (no near ties) are the float32 cache's, and the model is left
+    with its own attention."""
+    model = peaky_model(tokenizer, seed=6)
+    prompts = [tokenizer(t)["input_ids"] for t in
+               ["You arrive at cabinet 1.", "You are in the middle of a room. Looking around"]]
+    s = Sampling(temperature=0.0, max_new_tokens=10)
+    want = HFGenerator(model, tokenizer, [tokenizer.eos_token_id]).generate(prompts, s)
+    gen = HFGenerator(model, tokenizer, [tokenizer.eos_token_id], kv_dtype=torch.bfloat16)
+    got = gen.generate(prompts, s)
+    assert gen._ragged and {k.dtype for k in gen._cache.keys} == {torch.bfloat16}
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]
+    assert [g.entropy for g in got] == pytest.approx([g.entropy for g in want], rel=0.05)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_kv_dtype_of_its_own_needs_sdpa(tokenizer):
+    model = peaky_model(tokenizer)
+    model.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="bfloat16 KV cache under a torch.float32 model needs "
+                                         "SDPA attention; this model uses 'eager'"):
+        HFGenerator(model, tokenizer, [tokenizer.eos_token_id], kv_dtype=torch.bfloat16)
+    # Its own dtype is no cast: any attention serves.
+    HFGenerator(model, tokenizer, [tokenizer.eos_token_id], kv_dtype=torch.float32)
+
+
 def test_a_model_the_ragged_cache_cannot_serve_runs_without_it(tokenizer):
     """Sliding-window attention: the check against a plain forward pass fails, and the
     backend recomputes each step, matching transformers' own greedy decoding."""
