@@ -279,11 +279,12 @@ class HFGenerator(Streaming):
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         attention = getattr(model.config, "_attn_implementation", "eager")
-        self._kv_cast = kv_dtype is not None and kv_dtype != next(model.parameters()).dtype
+        dtype = next(model.parameters()).dtype
+        self._kv_cast = kv_dtype is not None and kv_dtype != dtype
         if self._kv_cast:
             if attention != "sdpa":
-                raise ValueError(f"a {kv_dtype} KV cache under a {next(model.parameters()).dtype}"
-                                 f" model needs SDPA attention; this model uses {attention!r}")
+                raise ValueError(f"a {kv_dtype} KV cache under a {dtype} model needs SDPA "
+                                 f"attention; this model uses {attention!r}")
             _register_kv_cast()
         self.model = model.eval()
         self.tokenizer = tokenizer
