@@ -148,8 +148,13 @@ def init_distributed() -> DistInfo:
             dist.init_process_group("nccl", device_id=torch.device("cuda", local))
         else:
             dist.init_process_group("gloo")
-        atexit.register(_destroy_group)
+        _destroy_at_exit()
     return DistInfo(rank, world, local)
+
+
+def _destroy_at_exit() -> None:
+    atexit.unregister(_destroy_group)  # once, however many places made or joined the group
+    atexit.register(_destroy_group)
 
 
 def _destroy_group() -> None:
@@ -179,7 +184,7 @@ def init_deepspeed_distributed() -> DistInfo:
             os.environ.setdefault(key, value)
     info = init_distributed()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    atexit.register(_destroy_group)  # the group DeepSpeed made for one process too
+    _destroy_at_exit()  # the group DeepSpeed made for one process too
     return info
 
 
