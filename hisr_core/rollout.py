@@ -190,6 +190,12 @@ class _RaggedCache(Cache):
                 store[i] = grown
         self.capacity = new
 
+    def move(self, src: int, dst: int, columns: int) -> None:
+        """Copy row ``src``'s first ``columns`` positions into row ``dst`` (every layer)."""
+        for store in (self.keys, self.values):
+            for layer in store:
+                layer[dst, :, :columns] = layer[src, :, :columns]
+
     @property
     def scratch(self) -> int:
         return self.capacity
@@ -248,7 +254,8 @@ class HFGenerator(Streaming):
     Up to ``max_rows`` requests run at once, each in its own row of a KV cache whose rows have
     independent lengths. Each :meth:`poll` computes the prompts of newly arrived requests in
     one forward pass, then advances every generating row by one token in another; a finished
-    row returns its response at once and takes the next request. A key's cache stays in its
+    row returns its response at once and takes the next request; once freed rows are no
+    longer taken, the rows still held move down into them. A key's cache stays in its
     row between requests, so the next prompt of an episode is computed only from where it
     stops sharing a prefix with what the row holds: a turn costs its new observation.
 
@@ -361,9 +368,30 @@ class HFGenerator(Streaming):
             row.choices, row.paths = choices, None
         self._waiting = still
 
+    def _compact(self) -> None:
+        """Move the highest rows that hold a key into the lowest free ones.
+
+        A decode pass spans rows ``0..max(rows)``; once episodes stop being replaced (the end
+        of a collection, of each PPO iteration) the rows left would otherwise stay scattered
+        over the whole span, and every pass would compute, and read the cache of, the empty
+        rows between them. A move copies one row's cache, once per freed row.
+        """
+        if not self._ragged:
+            return
+        while True:
+            free = next((i for i, r in enumerate(self._rows) if r.key is None), None)
+            top = max((i for i, r in enumerate(self._rows) if r.key is not None), default=-1)
+            if free is None or top < free:
+                return
+            row = self._rows[top]
+            self._cache.move(top, free, len(row.ids))
+            self._rows[free], self._rows[top] = row, _Row()
+            self._where[row.key] = free
+
     @torch.inference_mode()
     def poll(self) -> list[tuple[Hashable, Generation]]:
         self._admit()
+        self._compact()
         done: list[tuple[Hashable, Generation]] = []
         fill = [i for i, r in enumerate(self._rows) if r.sampling is not None and r.todo]
         if fill:

@@ -166,6 +166,44 @@ def test_rows_run_continuously_and_answer_when_done(tokenizer):
     assert when[0] < when[1] and when[2] < when[3]
 
 
+def test_rows_left_move_down_into_freed_ones(tokenizer):
+    """Once the low rows are released, the rows still held move into them (a decode pass
+    spans rows 0..max), and their responses, and the cache a session reuses, stay their own."""
+    model = peaky_model(tokenizer, seed=7)
+    eos = tokenizer.eos_token_id
+    prompts = [tokenizer(t)["input_ids"] for t in
+               ["You arrive at cabinet 1.", "Nothing happens.", "You open the fridge 1.",
+                "On the countertop 1, you see a mug 1."]]
+    lengths = [1, 2, 12, 12]
+    gen = HFGenerator(model, tokenizer, stop_ids=[eos], max_rows=4)
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        gen.submit(i, p, Sampling(temperature=0.0, max_new_tokens=n))
+    got = {}
+    while len(got) < 2:
+        got.update(gen.poll())
+    assert set(got) == {0, 1} and gen._where == {0: 0, 1: 1, 2: 2, 3: 3}
+    gen.release(0)
+    gen.release(1)
+    spans = []
+    forward = gen._forward
+    gen._forward = lambda rows, feeds, dense: spans.append(max(rows) + 1) or forward(
+        rows, feeds, dense)
+    while len(got) < 4:
+        got.update(gen.poll())
+    assert sorted(gen._where.values()) == [0, 1] and set(spans) == {2}
+    alone = HFGenerator(model, tokenizer, stop_ids=[eos], max_rows=1)
+    for i in (2, 3):
+        assert got[i].token_ids == alone.generate(
+            [prompts[i]], Sampling(temperature=0.0, max_new_tokens=12))[0].token_ids
+    # The moved row's cache is the session's: the next turn reuses it and answers as fresh.
+    more = prompts[2] + got[2].token_ids[:-1] + tokenizer(" Nothing happens.")["input_ids"]
+    reused = gen.stats["prompt_tokens_reused"]
+    s = Sampling(temperature=0.0, max_new_tokens=8)
+    cached = gen.generate([more], s, sessions=[2])[0]
+    assert gen.stats["prompt_tokens_reused"] - reused == len(prompts[2]) + 11
+    assert cached.token_ids == alone.generate([more], s)[0].token_ids
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_ragged_cache_serves_both_mask_kinds(tokenizer, attn):
     model = peaky_model(tokenizer, seed=5)
