@@ -14,7 +14,9 @@ from hisr_core.envs import make_environment
 from hisr_core.models import train_tokenizer
 from hisr_core.prompts import PromptBuilder
 from hisr_core.react import parse_action
-from hisr_core.rollout import HFGenerator, Sampling, play, snap_action, success_table
+from hisr_core import rollout
+from hisr_core.rollout import (HFGenerator, Sampling, decode_chunks, play, snap_action,
+                               success_table)
 from tests.scripted import ScriptedBackend
 
 
@@ -202,6 +204,47 @@ def test_rows_left_move_down_into_freed_ones(tokenizer):
     cached = gen.generate([more], s, sessions=[2])[0]
     assert gen.stats["prompt_tokens_reused"] - reused == len(prompts[2]) + 11
     assert cached.token_ids == alone.generate([more], s)[0].token_ids
+
+
+def test_decode_chunks_split_rows_where_lengths_drop():
+    # One range when a split saves less than a call costs; else ranges of similar lengths.
+    assert decode_chunks([900, 850, 800], overhead=1024) == [(0, 3, 900)]
+    assert decode_chunks([1800, 1700, 400, 350, 300], overhead=500) == [(0, 2, 1800),
+                                                                        (2, 5, 400)]
+    assert decode_chunks([5, 9, 7], overhead=0) == [(0, 1, 5), (1, 2, 9), (2, 3, 7)]
+    assert decode_chunks([]) == []
+    # Many rows: ranges start on blocks of rows, and cover every row once.
+    lengths = [2000 - 20 * i for i in range(100)]
+    chunks = decode_chunks(lengths, overhead=1000, units=10)
+    assert [a for a, _, _ in chunks] == sorted({a for a, _, _ in chunks})
+    assert all(a % 10 == 0 and w == max(lengths[a:b]) for a, b, w in chunks)
+    assert chunks[0][0] == 0 and chunks[-1][1] == 100 and len(chunks) > 1
+    assert all(b == a2 for (_, b, _), (a2, _, _) in zip(chunks, chunks[1:]))
+
+
+def test_decode_attention_split_by_row_lengths_gives_the_same_tokens(tokenizer, monkeypatch):
+    """A decode pass over rows of very different lengths, its attention split into ranges
+    each read only to its own longest row, answers as each prompt alone."""
+    seen = []
+
+    def every_row(lengths, overhead=0, units=32):
+        seen.append(chunks := decode_chunks(lengths, 0, units))
+        return chunks
+
+    monkeypatch.setattr(rollout, "decode_chunks", every_row)
+    model = peaky_model(tokenizer, seed=8)
+    texts = ["You are in the middle of a room. Looking quickly around you, you see a "
+             "cabinet 1, a drawer 1, a countertop 1, a fridge 1 and a sinkbasin 1.",
+             "Nothing happens.", "On the countertop 1, you see a mug 1 and a knife 2.", "OK."]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    s = Sampling(temperature=0.0, max_new_tokens=10)
+    gen = HFGenerator(model, tokenizer, [tokenizer.eos_token_id])
+    seen.clear()
+    got = gen.generate(prompts, s)
+    assert gen._ragged and max(len(c) for c in seen) > 1
+    alone = HFGenerator(model, tokenizer, [tokenizer.eos_token_id], max_rows=1)
+    for p, g in zip(prompts, got, strict=True):
+        assert g.token_ids == alone.generate([p], s)[0].token_ids
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
