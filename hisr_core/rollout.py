@@ -128,9 +128,28 @@ class _OneShot:
 #: :func:`_ragged_sdpa`).
 RAGGED_ATTENTION = "hisr_ragged_sdpa"
 
-#: The row ranges (start, stop, columns) a decode pass's attention is split into; None: whole.
-_DECODE_CHUNKS: contextvars.ContextVar[list[tuple[int, int, int]] | None] = \
-    contextvars.ContextVar("decode_chunks", default=None)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """How :func:`_ragged_sdpa` reads the cache in one forward pass.
+
+    A decode pass (one token a row, rows ``0..span-1``) is split into the row ranges
+    ``chunks`` ``(start, stop, columns)``. A packed pass is one sequence: first one decode
+    token for each row in ``decode`` (their attention as a decode pass over rows
+    ``0..span-1``, masked by ``decode_mask``), then each prompt ``(row, start, stop, mask)``
+    over its own row's cache.
+    Shape: decode (n,), decode_mask (span, 1, 1, W), a prompt's mask (1, 1, stop-start, L).
+    """
+
+    chunks: list[tuple[int, int, int]]
+    span: int = 0
+    decode: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    prompts: list[tuple[int, int, int, torch.Tensor]] = dataclasses.field(default_factory=list)
+
+
+_PLAN: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar("ragged_plan", default=None)
 
 #: What one more attention call per layer costs, in cache columns of one row read. A column costs
 #: ~30 ns (float32, head size 32, 2-core CPU); household at B=32 decoded fastest with 1024 of
@@ -142,20 +161,43 @@ def _ragged_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
                  value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any
                  ) -> tuple[torch.Tensor, None]:
     """Transformers' SDPA attention in the cache's dtype (the query cast to it, the output
-    back), a decode pass split into the row ranges :data:`_DECODE_CHUNKS` names, each reading
-    the cache only up to its own longest row.
-    Shape: query [B, H, T, D], key and value [B, H_kv, S, D] → ([B, T, H, D], None)."""
+    back), as the forward pass's :class:`_Plan` says: a decode pass split into row ranges,
+    each reading the cache only up to its own longest row; a packed pass's decode tokens and
+    prompts each over their own row.
+    Shape: query [B, H, T, D], key and value [B, H_kv, S, D] → ([B, T, H, D], None); a packed
+    pass: query [1, H, N, D], key and value every row's [rows, H_kv, S, D] → [1, N, H, D]."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor | None
+             ) -> torch.Tensor:
+        return sdpa_attention_forward(module, q, k, v, m, **kwargs)[0]
+
+    def decode(q: torch.Tensor, m: torch.Tensor, chunks: list[tuple[int, int, int]]
+               ) -> torch.Tensor:
+        """Shape: q (span, H, 1, D), m (span, 1, 1, W) → (span, 1, H, D)."""
+        return torch.cat([sdpa(q[a:b], key[a:b, :, :w], value[a:b, :, :w], m[a:b, :, :, :w])
+                          for a, b, w in chunks])
+
     q = query.to(key.dtype)
-    chunks = _DECODE_CHUNKS.get()
-    if chunks is None or q.shape[2] != 1 or len(chunks) == 1:
-        out = sdpa_attention_forward(module, q, key, value, attention_mask, **kwargs)[0]
-    else:
+    plan = _PLAN.get()
+    if plan is None or (plan.decode is None and q.shape[2] != 1):
+        out = sdpa(q, key, value, attention_mask)
+    elif plan.decode is None:
         assert attention_mask is not None
-        out = torch.cat([sdpa_attention_forward(
-            module, q[a:b], key[a:b, :, :w], value[a:b, :, :w],
-            attention_mask[a:b, :, :, :w], **kwargs)[0] for a, b, w in chunks])
+        out = decode(q, attention_mask, plan.chunks)
+    else:
+        n = len(plan.decode)
+        parts = []
+        if n:
+            assert plan.decode_mask is not None
+            rows = q.new_zeros((plan.span, q.shape[1], 1, q.shape[3]))
+            rows[plan.decode] = q[0, :, :n].transpose(0, 1).unsqueeze(2)
+            parts.append(decode(rows, plan.decode_mask, plan.chunks)[plan.decode, 0])
+        for row, a, b, m in plan.prompts:
+            length = m.shape[-1]
+            parts.append(sdpa(q[:, :, a:b], key[row:row + 1, :, :length],
+                              value[row:row + 1, :, :length], m)[0])
+        out = torch.cat(parts)[None]
     return out.to(query.dtype), None
 
 
@@ -229,6 +271,7 @@ class _RaggedCache(Cache):
         self._rows: torch.Tensor | None = None
         self._write = torch.zeros((0, 0), dtype=torch.long)
         self._width = 0
+        self._packed = False
 
     def reserve(self, columns: int) -> None:
         """Room for positions ``0..columns-1`` in every row (grows by doubling, keeping data)."""
@@ -253,9 +296,12 @@ class _RaggedCache(Cache):
     def scratch(self) -> int:
         return self.capacity
 
-    def plan(self, rows: torch.Tensor | None, write: torch.Tensor, width: int) -> None:
-        """Shape: rows (b,) or None, write (b, T) column per input token; width: columns read."""
-        self._rows, self._write, self._width = rows, write, width
+    def plan(self, rows: torch.Tensor | None, write: torch.Tensor, width: int,
+             packed: bool = False) -> None:
+        """Shape: rows (b,) or None, write (b, T) column per input token; width: columns read.
+        ``packed``: the batch is one sequence (b = 1) whose token j writes row ``rows[j]``;
+        attention gets every row."""
+        self._rows, self._write, self._width, self._packed = rows, write, width, packed
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,6 +313,11 @@ class _RaggedCache(Cache):
             self.keys.append(key_states.new_zeros(shape))
             self.values.append(value_states.new_zeros((*shape[:3], value_states.shape[3])))
         keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if self._packed:
+            assert self._rows is not None
+            keys[self._rows, :, self._write[0]] = key_states[0].transpose(0, 1)
+            values[self._rows, :, self._write[0]] = value_states[0].transpose(0, 1)
+            return keys[:, :, :self._width], values[:, :, :self._width]
         b = key_states.shape[0]
         rows = self._rows if self._rows is not None else torch.arange(b, device=keys.device)
         # Advanced indices on dims 0 and 2 around a slice: the indexed view is (b, T, H, D).
@@ -305,9 +356,12 @@ class HFGenerator(Streaming):
     """In-process transformers generation with continuous batching.
 
     Up to ``max_rows`` requests run at once, each in its own row of a KV cache whose rows have
-    independent lengths. Each :meth:`poll` computes the prompts of newly arrived requests in
-    one forward pass, then advances every generating row by one token in another; a finished
-    row returns its response at once and takes the next request. Rows still held shift down
+    independent lengths. Each :meth:`poll` advances every generating row by one token and
+    computes the prompts of newly arrived requests (their first token), in one forward pass
+    that packs the decode tokens and the prompts into one sequence (SDPA models, checked once
+    against a plain forward pass; otherwise, or when no row is decoding yet, the prompts get a
+    pass of their own, whose rows then decode in the same poll); a finished row returns its
+    response at once and takes the next request. Rows still held shift down
     over freed ones in the order their keys came, so episodes' rows stay about sorted by
     length, and a decode pass's attention reads each range of rows only as far as its longest
     row (SDPA models; :func:`decode_chunks`). A key's cache stays in its
@@ -365,6 +419,7 @@ class HFGenerator(Streaming):
         self._clock = 0
         self._cache = _RaggedCache(max_rows, kv_dtype)
         self._ragged = self._ragged_matches_plain()
+        self._packed = self._ragged and self._own_attention and self._packed_matches_plain()
         #: Prompt tokens computed, and taken from a key's cache, so far.
         self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_reused": 0}
 
@@ -450,6 +505,18 @@ class HFGenerator(Streaming):
         self._admit()
         done: list[tuple[Hashable, Generation]] = []
         fill = [i for i, r in enumerate(self._rows) if r.sampling is not None and r.todo]
+        step = [i for i, r in enumerate(self._rows) if r.feed is not None]
+        if fill and step and self._packed:
+            logits = self._forward_packed(step, fill)
+            for i in step:
+                r = self._rows[i]
+                r.ids.append(r.feed)
+                r.feed = None
+            for i in fill:
+                r = self._rows[i]
+                r.ids += r.todo
+                r.todo = []
+            return self._pick(step + fill, logits)
         if fill:
             rows = [self._rows[i] for i in fill]
             logits = self._forward(fill, [r.todo for r in rows], dense=False)
@@ -491,14 +558,46 @@ class HFGenerator(Streaming):
         mask = (torch.arange(width)[None, None, :] <= pos[:, :, None])[:, None]
         picked = torch.tensor(rows, dtype=torch.long, device=self.device)
         self._cache.plan(None if dense else picked, write.to(self.device), width)
-        chunks = None
+        plan = None
         if dense and self._own_attention:
             seen = [1] * b   # a padding row reads column 0
             for i, s, f in zip(rows, starts, feeds, strict=True):
                 seen[i] = s + len(f)
-            chunks = decode_chunks(seen)
-        logits = self._call(ids, pos, self._mask(mask), self._cache, chunks)
+            plan = _Plan(decode_chunks(seen))
+        logits = self._call(ids, pos, self._mask(mask), self._cache, plan)
         return logits.index_select(0, picked) if dense else logits
+
+    def _forward_packed(self, step: list[int], fill: list[int]) -> torch.Tensor:
+        """Logits (len(step) + len(fill), V) float32 of one pass over the ``step`` rows' fed
+        tokens and the ``fill`` rows' prompt tokens, packed into one sequence: the prompts
+        cost no pass of their own (their per-pass overhead is most of what they cost)."""
+        rows = step + fill
+        feeds = [[self._rows[i].feed] for i in step] + [self._rows[i].todo for i in fill]
+        starts = [len(self._rows[i].ids) for i in rows]
+        width = max(s + len(f) for s, f in zip(starts, feeds, strict=True))
+        self._cache.reserve(width)
+        ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long)[None]
+        pos = torch.cat([torch.arange(s, s + len(f))
+                         for s, f in zip(starts, feeds, strict=True)])[None]
+        owner = torch.tensor([i for i, f in zip(rows, feeds, strict=True) for _ in f],
+                             device=self.device)
+        span = max(step) + 1
+        seen = [1] * span   # a row not stepped reads column 0
+        for i, s in zip(step, starts[:len(step)], strict=True):
+            seen[i] = s + 1
+        decode_mask = torch.arange(max(seen))[None, :] < torch.tensor(seen)[:, None]
+        prompts, at = [], len(step)
+        for i, s, f in zip(fill, starts[len(step):], feeds[len(step):], strict=True):
+            mask = torch.arange(s + len(f))[None, :] <= torch.arange(s, s + len(f))[:, None]
+            prompts.append((i, at, at + len(f), mask[None, None].to(self.device)))
+            at += len(f)
+        plan = _Plan(decode_chunks(seen), span, torch.tensor(step, device=self.device),
+                     decode_mask[:, None, None].to(self.device), prompts)
+        self._cache.plan(owner, pos.to(self.device), width, packed=True)
+        keep = torch.tensor(list(range(len(step))) + [b - 1 for _, _, b, _ in prompts])
+        # The model's own mask handling takes a 4-D mask as given; attention reads the plan.
+        mask = torch.ones((1, 1, ids.shape[1], width), dtype=torch.bool, device=self.device)
+        return self._call(ids, pos, mask, self._cache, plan, keep)
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """A boolean 4-D mask as the model's attention takes it (eager: additive floats)."""
@@ -510,30 +609,37 @@ class HFGenerator(Streaming):
             ~allowed, torch.finfo(dtype).min)
 
     def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
-              cache: Cache | None, chunks: list[tuple[int, int, int]] | None = None
+              cache: Cache | None, plan: _Plan | None = None, keep: torch.Tensor | None = None
               ) -> torch.Tensor:
-        with self._attention(chunks):
+        """Logits (B, V) float32 at each row's last position; ``keep``: at those positions of
+        a one-sequence batch instead, (len(keep), V)."""
+        keep_arg = self._keep_arg
+        if keep is not None and keep_arg:
+            keep_arg = {"logits_to_keep": keep.to(self.device)}
+        with self._attention(plan):
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask,
                              position_ids=pos.to(self.device), use_cache=cache is not None,
                              **({self._cache_arg: cache} if cache is not None else {}),
-                             **self._keep_arg)
-        return out.logits[:, -1].float()
+                             **keep_arg)
+        if keep is None:
+            return out.logits[:, -1].float()
+        return (out.logits[0] if keep_arg else out.logits[0, keep.to(self.device)]).float()
 
     @contextlib.contextmanager
-    def _attention(self, chunks: list[tuple[int, int, int]] | None) -> Iterator[None]:
-        """An SDPA model under :data:`RAGGED_ATTENTION`, a decode pass split into ``chunks``,
-        for one forward pass only (the model is shared, e.g. PPO trains it between rollouts)."""
+    def _attention(self, plan: _Plan | None) -> Iterator[None]:
+        """An SDPA model under :data:`RAGGED_ATTENTION` reading ``plan``, for one forward pass
+        only (the model is shared, e.g. PPO trains it between rollouts)."""
         if not self._own_attention:
             yield
             return
         config = self.model.config
         saved = config._attn_implementation
         config._attn_implementation = RAGGED_ATTENTION
-        token = _DECODE_CHUNKS.set(chunks)
+        token = _PLAN.set(plan)
         try:
             yield
         finally:
-            _DECODE_CHUNKS.reset(token)
+            _PLAN.reset(token)
             config._attn_implementation = saved
 
     def _plain(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -566,6 +672,26 @@ class HFGenerator(Streaming):
             want = self._plain(seqs)
             return bool(torch.allclose(got, want, atol=1e-3 * float(want.abs().max()) + 1e-4))
         except Exception:  # noqa: BLE001 - any failure means: run this model without a cache
+            return False
+        finally:
+            self._rows, self._cache = saved
+
+    @torch.inference_mode()
+    def _packed_matches_plain(self) -> bool:
+        """Whether a packed pass gives this model's plain logits: one row decoding a token
+        while another computes a prompt, against whole-sequence passes."""
+        vocab = min(int(getattr(self.model.config, "vocab_size", 64) or 64), 64)
+        seqs = [[(7 * k + 3) % vocab for k in range(6)], [(5 * k + 1) % vocab for k in range(9)]]
+        saved = self._rows, self._cache
+        self._rows, self._cache = [_Row(), _Row()], _RaggedCache(2)
+        try:
+            self._forward([0, 1], [seqs[0][:5], seqs[1][:6]], dense=False)
+            self._rows[0].ids, self._rows[0].feed = seqs[0][:5], seqs[0][5]
+            self._rows[1].ids, self._rows[1].todo = seqs[1][:6], seqs[1][6:]
+            got = self._forward_packed([0], [1])
+            want = self._plain(seqs)
+            return bool(torch.allclose(got, want, atol=1e-3 * float(want.abs().max()) + 1e-4))
+        except Exception:  # noqa: BLE001 - any failure means: no packed passes for this model
             return False
         finally:
             self._rows, self._cache = saved

@@ -154,6 +154,10 @@ def test_rows_run_continuously_and_answer_when_done(tokenizer):
     gen = HFGenerator(model, tokenizer, stop_ids=[tokenizer.eos_token_id], max_rows=2)
     for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
         gen.submit(i, p, Sampling(max_new_tokens=n))
+    packed = []
+    forward_packed = gen._forward_packed
+    gen._forward_packed = lambda step, fill: packed.append((step, fill)) or forward_packed(
+        step, fill)
     got, when, polls = {}, {}, 0
     while len(got) < len(prompts):
         polls += 1
@@ -163,9 +167,11 @@ def test_rows_run_continuously_and_answer_when_done(tokenizer):
     alone = HFGenerator(model, tokenizer, stop_ids=[tokenizer.eos_token_id], max_rows=1)
     for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
         assert got[i].token_ids == alone.generate([p], Sampling(max_new_tokens=n))[0].token_ids
-    # A poll computes new prompts (giving their first token), then steps every row once.
+    # A poll computes new prompts (giving their first token), then steps every row once; a
+    # prompt arriving while another row decodes shares that row's decode pass.
     assert len(got[0].token_ids) == 2 and when[0] == 1, "back on the poll that ends it"
     assert when[0] < when[1] and when[2] < when[3]
+    assert gen._packed and packed and all(len(s) == len(f) == 1 for s, f in packed)
 
 
 def test_rows_left_move_down_into_freed_ones(tokenizer):
