@@ -418,8 +418,8 @@ class HFGenerator(Streaming):
         self._waiting: list[tuple[Hashable, list[int], Sampling, list[str] | None]] = []
         self._clock = 0
         self._cache = _RaggedCache(max_rows, kv_dtype)
-        self._ragged = self._ragged_matches_plain()
-        self._packed = self._ragged and self._own_attention and self._packed_matches_plain()
+        self._ragged = self._matches_plain(packed=False)
+        self._packed = self._ragged and self._own_attention and self._matches_plain(packed=True)
         #: Prompt tokens computed, and taken from a key's cache, so far.
         self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_reused": 0}
 
@@ -594,7 +594,7 @@ class HFGenerator(Streaming):
         plan = _Plan(decode_chunks(seen), span, torch.tensor(step, device=self.device),
                      decode_mask[:, None, None].to(self.device), prompts)
         self._cache.plan(owner, pos.to(self.device), width, packed=True)
-        keep = torch.tensor(list(range(len(step))) + [b - 1 for _, _, b, _ in prompts])
+        keep = torch.tensor(list(range(len(step))) + [stop - 1 for _, _, stop, _ in prompts])
         # The model's own mask handling takes a 4-D mask as given; attention reads the plan.
         mask = torch.ones((1, 1, ids.shape[1], width), dtype=torch.bool, device=self.device)
         return self._call(ids, pos, mask, self._cache, plan, keep)
@@ -656,42 +656,29 @@ class HFGenerator(Streaming):
         return out.logits[:, -1].float()
 
     @torch.inference_mode()
-    def _ragged_matches_plain(self) -> bool:
+    def _matches_plain(self, packed: bool) -> bool:
         """Whether the ragged cache gives this model's plain logits: two rows of different
-        lengths, a prompt pass then one token each, against whole-sequence passes (the cache
-        in the model's dtype: this checks the layout, not a ``kv_dtype``'s rounding)."""
+        lengths, a prompt pass, then one token each (``packed``: one row's token while the
+        other computes the rest of its prompt, in a packed pass), against whole-sequence
+        passes (the cache in the model's dtype: this checks the layout, not a ``kv_dtype``'s
+        rounding). Any failure means no: the model runs without a cache (without packing)."""
         vocab = min(int(getattr(self.model.config, "vocab_size", 64) or 64), 64)
         seqs = [[(7 * k + 3) % vocab for k in range(6)], [(5 * k + 1) % vocab for k in range(9)]]
+        cut = [5, 6] if packed else [5, 8]
         saved = self._rows, self._cache
         self._rows, self._cache, self._ragged = [_Row(), _Row()], _RaggedCache(2), True
         try:
-            self._forward([0, 1], [seqs[0][:5], seqs[1][:8]], dense=False)
-            for r, s in zip(self._rows, seqs, strict=True):
-                r.ids = s[:-1]
-            got = self._forward([0, 1], [[seqs[0][-1]], [seqs[1][-1]]], dense=True)
+            self._forward([0, 1], [s[:n] for s, n in zip(seqs, cut, strict=True)], dense=False)
+            for r, s, n in zip(self._rows, seqs, cut, strict=True):
+                r.ids = s[:n]
+            if packed:
+                self._rows[0].feed, self._rows[1].todo = seqs[0][5], seqs[1][6:]
+                got = self._forward_packed([0], [1])
+            else:
+                got = self._forward([0, 1], [[seqs[0][-1]], [seqs[1][-1]]], dense=True)
             want = self._plain(seqs)
             return bool(torch.allclose(got, want, atol=1e-3 * float(want.abs().max()) + 1e-4))
-        except Exception:  # noqa: BLE001 - any failure means: run this model without a cache
-            return False
-        finally:
-            self._rows, self._cache = saved
-
-    @torch.inference_mode()
-    def _packed_matches_plain(self) -> bool:
-        """Whether a packed pass gives this model's plain logits: one row decoding a token
-        while another computes a prompt, against whole-sequence passes."""
-        vocab = min(int(getattr(self.model.config, "vocab_size", 64) or 64), 64)
-        seqs = [[(7 * k + 3) % vocab for k in range(6)], [(5 * k + 1) % vocab for k in range(9)]]
-        saved = self._rows, self._cache
-        self._rows, self._cache = [_Row(), _Row()], _RaggedCache(2)
-        try:
-            self._forward([0, 1], [seqs[0][:5], seqs[1][:6]], dense=False)
-            self._rows[0].ids, self._rows[0].feed = seqs[0][:5], seqs[0][5]
-            self._rows[1].ids, self._rows[1].todo = seqs[1][:6], seqs[1][6:]
-            got = self._forward_packed([0], [1])
-            want = self._plain(seqs)
-            return bool(torch.allclose(got, want, atol=1e-3 * float(want.abs().max()) + 1e-4))
-        except Exception:  # noqa: BLE001 - any failure means: no packed passes for this model
+        except Exception:  # noqa: BLE001 - any failure means: not this way for this model
             return False
         finally:
             self._rows, self._cache = saved

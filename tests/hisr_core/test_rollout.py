@@ -258,7 +258,8 @@ def test_ragged_cache_serves_both_mask_kinds(tokenizer, attn):
     model = peaky_model(tokenizer, seed=5)
     model.config._attn_implementation = attn
     gen = HFGenerator(model, tokenizer, stop_ids=[tokenizer.eos_token_id])
-    assert gen._ragged
+    # Prompts share the decode pass only through the engine's own SDPA attention.
+    assert gen._ragged and gen._packed == (attn == "sdpa")
     prompt = tokenizer("You are in the middle of a room. Looking quickly around you")["input_ids"]
     out = gen.generate([prompt, prompt[:4]], Sampling(max_new_tokens=10))
     ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
