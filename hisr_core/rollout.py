@@ -16,6 +16,7 @@ import contextvars
 import dataclasses
 import difflib
 import inspect
+import itertools
 import math
 import zlib
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -224,7 +225,7 @@ def decode_chunks(lengths: Sequence[int], overhead: int = CHUNK_OVERHEAD,
         return []
     size = -(-n // units)
     bounds = list(range(0, n, size)) + [n]
-    width = [max(lengths[a:b]) for a, b in zip(bounds, bounds[1:])]
+    width = [max(lengths[a:b]) for a, b in itertools.pairwise(bounds)]
     m = len(width)
     best = [0.0] + [math.inf] * m
     cut = [0] * (m + 1)

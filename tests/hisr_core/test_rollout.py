@@ -9,14 +9,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hisr_core import contracts
+from hisr_core import contracts, rollout
 from hisr_core.envs import make_environment
 from hisr_core.models import train_tokenizer
 from hisr_core.prompts import PromptBuilder
 from hisr_core.react import parse_action
-from hisr_core import rollout
-from hisr_core.rollout import (HFGenerator, Sampling, decode_chunks, play, snap_action,
-                               success_table)
+from hisr_core.rollout import HFGenerator, Sampling, decode_chunks, play, snap_action, success_table
 from tests.scripted import ScriptedBackend
 
 
@@ -225,7 +223,7 @@ def test_decode_chunks_split_rows_where_lengths_drop():
     assert [a for a, _, _ in chunks] == sorted({a for a, _, _ in chunks})
     assert all(a % 10 == 0 and w == max(lengths[a:b]) for a, b, w in chunks)
     assert chunks[0][0] == 0 and chunks[-1][1] == 100 and len(chunks) > 1
-    assert all(b == a2 for (_, b, _), (a2, _, _) in zip(chunks, chunks[1:]))
+    assert all(b == a2 for (_, b, _), (a2, _, _) in itertools.pairwise(chunks))
 
 
 def test_decode_attention_split_by_row_lengths_gives_the_same_tokens(tokenizer, monkeypatch):
@@ -239,8 +237,8 @@ def test_decode_attention_split_by_row_lengths_gives_the_same_tokens(tokenizer, 
 
     monkeypatch.setattr(rollout, "decode_chunks", every_row)
     model = peaky_model(tokenizer, seed=8)
-    texts = ["You are in the middle of a room. Looking quickly around you, you see a "
-             "cabinet 1, a drawer 1, a countertop 1, a fridge 1 and a sinkbasin 1.",
+    texts = [("You are in the middle of a room. Looking quickly around you, you see a "
+              "cabinet 1, a drawer 1, a countertop 1, a fridge 1 and a sinkbasin 1."),
              "Nothing happens.", "On the countertop 1, you see a mug 1 and a knife 2.", "OK."]
     prompts = [tokenizer(t)["input_ids"] for t in texts]
     s = Sampling(temperature=0.0, max_new_tokens=10)
