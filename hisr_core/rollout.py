@@ -245,6 +245,15 @@ def decode_chunks(lengths: Sequence[int], overhead: int = CHUNK_OVERHEAD,
     return out[::-1]
 
 
+def _read_lengths(span: int, rows: Sequence[int], ends: Sequence[int]) -> list[int]:
+    """Columns each of rows ``0..span-1`` reads in a decode pass: ``rows`` up to their
+    ``ends``, any other (padding) row column 0 only."""
+    seen = [1] * span
+    for i, end in zip(rows, ends, strict=True):
+        seen[i] = end
+    return seen
+
+
 def key_seed(seed: int, key: Hashable) -> int:
     """A sampling seed for one key, the same in every process (``hash`` of a str is not)."""
     return (seed * 1_000_003 + zlib.crc32(repr(key).encode())) % 2**63
@@ -509,31 +518,25 @@ class HFGenerator(Streaming):
         step = [i for i, r in enumerate(self._rows) if r.feed is not None]
         if fill and step and self._packed:
             logits = self._forward_packed(step, fill)
-            for i in step:
-                r = self._rows[i]
-                r.ids.append(r.feed)
-                r.feed = None
-            for i in fill:
-                r = self._rows[i]
-                r.ids += r.todo
-                r.todo = []
+            self._computed(step + fill)
             return self._pick(step + fill, logits)
         if fill:
-            rows = [self._rows[i] for i in fill]
-            logits = self._forward(fill, [r.todo for r in rows], dense=False)
-            for r in rows:
-                r.ids += r.todo
-                r.todo = []
+            logits = self._forward(fill, [self._rows[i].todo for i in fill], dense=False)
+            self._computed(fill)
             done += self._pick(fill, logits)
         step = [i for i, r in enumerate(self._rows) if r.feed is not None]
         if step:
-            rows = [self._rows[i] for i in step]
-            logits = self._forward(step, [[r.feed] for r in rows], dense=True)
-            for r in rows:
-                r.ids.append(r.feed)
-                r.feed = None
+            logits = self._forward(step, [[self._rows[i].feed] for i in step], dense=True)
+            self._computed(step)
             done += self._pick(step, logits)
         return done
+
+    def _computed(self, rows: list[int]) -> None:
+        """The rows' prompt tokens or fed token are in the cache now: into ``ids``."""
+        for i in rows:
+            r = self._rows[i]
+            r.ids += r.todo if r.todo else [r.feed]
+            r.todo, r.feed = [], None
 
     # -- model ------------------------------------------------------------------------------
 
@@ -561,10 +564,8 @@ class HFGenerator(Streaming):
         self._cache.plan(None if dense else picked, write.to(self.device), width)
         plan = None
         if dense and self._own_attention:
-            seen = [1] * b   # a padding row reads column 0
-            for i, s, f in zip(rows, starts, feeds, strict=True):
-                seen[i] = s + len(f)
-            plan = _Plan(decode_chunks(seen))
+            plan = _Plan(decode_chunks(_read_lengths(
+                b, rows, [s + len(f) for s, f in zip(starts, feeds, strict=True)])))
         logits = self._call(ids, pos, self._mask(mask), self._cache, plan)
         return logits.index_select(0, picked) if dense else logits
 
@@ -583,9 +584,7 @@ class HFGenerator(Streaming):
         owner = torch.tensor([i for i, f in zip(rows, feeds, strict=True) for _ in f],
                              device=self.device)
         span = max(step) + 1
-        seen = [1] * span   # a row not stepped reads column 0
-        for i, s in zip(step, starts[:len(step)], strict=True):
-            seen[i] = s + 1
+        seen = _read_lengths(span, step, [s + 1 for s in starts[:len(step)]])
         decode_mask = torch.arange(max(seen))[None, :] < torch.tensor(seen)[:, None]
         prompts, at = [], len(step)
         for i, s, f in zip(fill, starts[len(step):], feeds[len(step):], strict=True):
