@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
+from hisr_core.decode_attention import attend, supported
 from hisr_core.envs import Environment, StepResult, Task
 from hisr_core.envs.base import ADMISSIBLE_MARKER
 from hisr_core.prompts import PromptBuilder
@@ -135,19 +136,23 @@ RAGGED_ATTENTION = "hisr_ragged_sdpa"
 class _Plan:
     """How :func:`_ragged_sdpa` reads the cache in one forward pass.
 
-    A decode pass (one token a row, rows ``0..span-1``) is split into the row ranges
-    ``chunks`` ``(start, stop, columns)``. A packed pass is one sequence: first one decode
-    token for each row in ``decode`` (their attention as a decode pass over rows
-    ``0..span-1``, masked by ``decode_mask``), then each prompt ``(row, start, stop, mask)``
-    over its own row's cache.
-    Shape: decode (n,), decode_mask (span, 1, 1, W), a prompt's mask (1, 1, stop-start, L).
+    A decode pass has one token a row, rows ``0..span-1``. A packed pass is one sequence:
+    first one decode token for each cache row in ``decode``, then each prompt
+    ``(row, start, stop, mask)`` over its own row's cache.
+    Decode tokens read their rows either through the compiled kernel
+    (:mod:`hisr_core.decode_attention`), each only its own ``lengths`` columns, or through SDPA
+    over the row ranges ``chunks`` ``(start, stop, columns)`` of rows ``0..span-1`` (a packed
+    pass's tokens masked by ``decode_mask``).
+    Shape: decode (n,), lengths (span,) or, packed, (n,); decode_mask (span, 1, 1, W); a
+    prompt's mask (1, 1, stop-start, L).
     """
 
-    chunks: list[tuple[int, int, int]]
+    chunks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     span: int = 0
     decode: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     prompts: list[tuple[int, int, int, torch.Tensor]] = dataclasses.field(default_factory=list)
+    lengths: torch.Tensor | None = None
 
 
 _PLAN: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar("ragged_plan", default=None)
@@ -161,45 +166,49 @@ CHUNK_OVERHEAD = 1024
 def _ragged_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any
                  ) -> tuple[torch.Tensor, None]:
-    """Transformers' SDPA attention in the cache's dtype (the query cast to it, the output
-    back), as the forward pass's :class:`_Plan` says: a decode pass split into row ranges,
-    each reading the cache only up to its own longest row; a packed pass's decode tokens and
-    prompts each over their own row.
+    """Transformers' SDPA attention as the forward pass's :class:`_Plan` says: a decode
+    pass's tokens through the compiled kernel or split into row ranges, each reading the cache
+    only up to its own longest row; a packed pass's decode tokens and prompts each over their
+    own row. SDPA runs in the cache's dtype (the query cast to it, the output back).
     Shape: query [B, H, T, D], key and value [B, H_kv, S, D] → ([B, T, H, D], None); a packed
     pass: query [1, H, N, D], key and value every row's [rows, H_kv, S, D] → [1, N, H, D]."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor | None
              ) -> torch.Tensor:
-        return sdpa_attention_forward(module, q, k, v, m, **kwargs)[0]
+        return sdpa_attention_forward(module, q.to(k.dtype), k, v, m, **kwargs)[0].to(q.dtype)
 
-    def decode(q: torch.Tensor, m: torch.Tensor, chunks: list[tuple[int, int, int]]
+    def decode(q: torch.Tensor, rows: torch.Tensor | None, m: torch.Tensor | None
                ) -> torch.Tensor:
-        """Shape: q (span, H, 1, D), m (span, 1, 1, W) → (span, 1, H, D)."""
-        return torch.cat([sdpa(q[a:b], key[a:b, :, :w], value[a:b, :, :w], m[a:b, :, :, :w])
-                          for a, b, w in chunks])
+        """The token of each cache row in ``rows`` (None: rows ``0..n-1``; SDPA reads rows
+        ``0..span-1``, masked by ``m``). Shape: q (n, H, D) → (n, H, D)."""
+        if plan.lengths is not None:
+            picked = torch.arange(len(q)) if rows is None else rows
+            scale = kwargs.get("scaling")
+            return attend(q, key, value, picked, plan.lengths,
+                          q.shape[-1] ** -0.5 if scale is None else scale)
+        assert m is not None
+        full = q if rows is None else q.new_zeros((plan.span, *q.shape[1:])).index_copy_(
+            0, rows, q)
+        out = torch.cat([sdpa(full[a:b, :, None], key[a:b, :, :w], value[a:b, :, :w],
+                              m[a:b, :, :, :w]) for a, b, w in plan.chunks])[:, 0]
+        return out if rows is None else out[rows]
 
-    q = query.to(key.dtype)
     plan = _PLAN.get()
-    if plan is None or (plan.decode is None and q.shape[2] != 1):
-        out = sdpa(q, key, value, attention_mask)
+    if plan is None or (plan.decode is None and query.shape[2] != 1):
+        out = sdpa(query, key, value, attention_mask)
     elif plan.decode is None:
-        assert attention_mask is not None
-        out = decode(q, attention_mask, plan.chunks)
+        out = decode(query[:, :, 0], None, attention_mask)[:, None]
     else:
         n = len(plan.decode)
-        parts = []
-        if n:
-            assert plan.decode_mask is not None
-            rows = q.new_zeros((plan.span, q.shape[1], 1, q.shape[3]))
-            rows[plan.decode] = q[0, :, :n].transpose(0, 1).unsqueeze(2)
-            parts.append(decode(rows, plan.decode_mask, plan.chunks)[plan.decode, 0])
+        parts = [decode(query[0, :, :n].transpose(0, 1), plan.decode, plan.decode_mask)] \
+            if n else []
         for row, a, b, m in plan.prompts:
             length = m.shape[-1]
-            parts.append(sdpa(q[:, :, a:b], key[row:row + 1, :, :length],
+            parts.append(sdpa(query[:, :, a:b], key[row:row + 1, :, :length],
                               value[row:row + 1, :, :length], m)[0])
         out = torch.cat(parts)[None]
-    return out.to(query.dtype), None
+    return out, None
 
 
 def _register_ragged_attention() -> None:
@@ -428,6 +437,15 @@ class HFGenerator(Streaming):
         self._waiting: list[tuple[Hashable, list[int], Sampling, list[str] | None]] = []
         self._clock = 0
         self._cache = _RaggedCache(max_rows, kv_dtype)
+        config = model.config
+        heads = getattr(config, "num_attention_heads", 0) or 0
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or (
+            getattr(config, "hidden_size", 0) // heads if heads else 0)
+        # Decode tokens read the cache through the compiled kernel where it serves the model.
+        self._kernel = bool(self._own_attention and self.device.type == "cpu" and heads
+                            and heads % kv_heads == 0
+                            and supported(head_dim, heads // kv_heads, dtype, kv_dtype or dtype))
         self._ragged = self._matches_plain(packed=False)
         self._packed = self._ragged and self._own_attention and self._matches_plain(packed=True)
         #: Prompt tokens computed, and taken from a key's cache, so far.
@@ -564,8 +582,9 @@ class HFGenerator(Streaming):
         self._cache.plan(None if dense else picked, write.to(self.device), width)
         plan = None
         if dense and self._own_attention:
-            plan = _Plan(decode_chunks(_read_lengths(
-                b, rows, [s + len(f) for s, f in zip(starts, feeds, strict=True)])))
+            seen = _read_lengths(b, rows, [s + len(f) for s, f in zip(starts, feeds, strict=True)])
+            plan = (_Plan(span=b, lengths=torch.tensor(seen)) if self._kernel
+                    else _Plan(decode_chunks(seen), b))
         logits = self._call(ids, pos, self._mask(mask), self._cache, plan)
         return logits.index_select(0, picked) if dense else logits
 
@@ -583,16 +602,20 @@ class HFGenerator(Streaming):
                          for s, f in zip(starts, feeds, strict=True)])[None]
         owner = torch.tensor([i for i, f in zip(rows, feeds, strict=True) for _ in f],
                              device=self.device)
-        span = max(step) + 1
-        seen = _read_lengths(span, step, [s + 1 for s in starts[:len(step)]])
-        decode_mask = torch.arange(max(seen))[None, :] < torch.tensor(seen)[:, None]
         prompts, at = [], len(step)
         for i, s, f in zip(fill, starts[len(step):], feeds[len(step):], strict=True):
             mask = torch.arange(s + len(f))[None, :] <= torch.arange(s, s + len(f))[:, None]
             prompts.append((i, at, at + len(f), mask[None, None].to(self.device)))
             at += len(f)
-        plan = _Plan(decode_chunks(seen), span, torch.tensor(step, device=self.device),
-                     decode_mask[:, None, None].to(self.device), prompts)
+        span, decode = max(step) + 1, torch.tensor(step, device=self.device)
+        if self._kernel:
+            plan = _Plan(span=span, decode=decode, prompts=prompts,
+                         lengths=torch.tensor([s + 1 for s in starts[:len(step)]]))
+        else:
+            seen = _read_lengths(span, step, [s + 1 for s in starts[:len(step)]])
+            decode_mask = torch.arange(max(seen))[None, :] < torch.tensor(seen)[:, None]
+            plan = _Plan(decode_chunks(seen), span, decode,
+                         decode_mask[:, None, None].to(self.device), prompts)
         self._cache.plan(owner, pos.to(self.device), width, packed=True)
         keep = torch.tensor(list(range(len(step))) + [stop - 1 for _, _, stop, _ in prompts])
         # The model's own mask handling takes a 4-D mask as given; attention reads the plan.

@@ -46,6 +46,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hisr_core.config import LoraParams
+from hisr_core.decode_attention import project_extensions_dir
 
 Backend = Literal["torch", "deepspeed"]
 BACKENDS = ("auto", "torch", "deepspeed")
@@ -70,8 +71,7 @@ def import_deepspeed() -> ModuleType:
     On a CPU, DeepSpeed compiles a shared-memory communication op the first time (about 1.5
     minutes on 2 cores); caching it under the working directory makes that a one-off.
     """
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR",
-                          str(Path.cwd() / ".cache" / "torch_extensions"))
+    project_extensions_dir()
     try:
         import deepspeed
     except ImportError as err:

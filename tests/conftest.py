@@ -19,6 +19,9 @@ from tasks.runtime import configure_offline
 configure_offline()  # this process too: Prefect and MLflow clients here tell no one
 
 ROOT = Path(__file__).resolve().parents[1]
+# Compiled ops (the decode-attention kernel, DeepSpeed's) are built once for every process of
+# the session, whatever directory a test runs in.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 
 
 def pytest_configure(config):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hisr_core import contracts, rollout
+from hisr_core import contracts, decode_attention, rollout
 from hisr_core.envs import make_environment
 from hisr_core.models import train_tokenizer
 from hisr_core.prompts import PromptBuilder
@@ -37,13 +37,31 @@ def tokenizer(env):
     return household_tokenizer(env)
 
 
-def peaky_model(tokenizer, seed=0):
-    """A random tiny Llama with large weights, so greedy choices are far from ties."""
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+#: Tiny models' hidden sizes: head size 8, attention through SDPA; head size 32, decode tokens
+#: through the compiled kernel (where it builds).
+ATTENTION = {"sdpa": 32, "kernel": 128}
+
+
+def peaky_model(tokenizer, seed=0, hidden=32):
+    """A random tiny Llama with large weights, so greedy choices are far from ties (4 query
+    heads, 2 KV heads)."""
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       initializer_range=0.5, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(params=list(ATTENTION))
+def attention(request):
+    """How the generator's decode tokens attend: SDPA, or the compiled kernel (where built)."""
+    if request.param == "kernel" and decode_attention.kernel() is None:
+        pytest.skip("the decode-attention kernel cannot be built here")
+    return request.param
+
+
+def uses_kernel(gen: HFGenerator, attention: str) -> bool:
+    return gen._kernel == (attention == "kernel")
 
 
 class ReplayExpert(ScriptedBackend):
@@ -121,9 +139,10 @@ def test_env_worker_failure_names_the_worker(env):
             workers.receive_steps(workers.send_steps([("a", "look")]))
 
 
-def test_batched_greedy_equals_one_at_a_time(tokenizer):
-    model = peaky_model(tokenizer)
+def test_batched_greedy_equals_one_at_a_time(tokenizer, attention):
+    model = peaky_model(tokenizer, hidden=ATTENTION[attention])
     gen = HFGenerator(model, tokenizer, stop_ids=[tokenizer.eos_token_id])
+    assert uses_kernel(gen, attention)
     prompts = [tokenizer("You arrive at cabinet 1.")["input_ids"],
                tokenizer("You are in the middle of a room. Looking quickly around you")["input_ids"],
                tokenizer("Nothing")["input_ids"]]
@@ -140,11 +159,11 @@ def test_batched_greedy_equals_one_at_a_time(tokenizer):
     assert single[0].token_ids == ref_new[: len(single[0].token_ids)]
 
 
-def test_rows_run_continuously_and_answer_when_done(tokenizer):
+def test_rows_run_continuously_and_answer_when_done(tokenizer, attention):
     """More requests than rows, of different lengths: each response is handed back on the
     poll that finishes it, a freed row takes the next request, and every response is the
     one the request gets alone."""
-    model = peaky_model(tokenizer, seed=4)
+    model = peaky_model(tokenizer, seed=4, hidden=ATTENTION[attention])
     texts = ["You arrive at cabinet 1.", "Nothing happens.", "You are in the middle of a room.",
              "On the countertop 1, you see a mug 1.", "You open the fridge 1."]
     prompts = [tokenizer(t)["input_ids"] for t in texts]
@@ -170,6 +189,7 @@ def test_rows_run_continuously_and_answer_when_done(tokenizer):
     assert len(got[0].token_ids) == 2 and when[0] == 1, "back on the poll that ends it"
     assert when[0] < when[1] and when[2] < when[3]
     assert gen._packed and packed and all(len(s) == len(f) == 1 for s, f in packed)
+    assert uses_kernel(gen, attention)
 
 
 def test_rows_left_move_down_into_freed_ones(tokenizer):
@@ -266,11 +286,11 @@ def test_ragged_cache_serves_both_mask_kinds(tokenizer, attn):
     assert out[0].token_ids == ref_new[: len(out[0].token_ids)]
 
 
-def test_a_bfloat16_kv_cache_under_a_float32_model(tokenizer):
+def test_a_bfloat16_kv_cache_under_a_float32_model(tokenizer, attention):
     """The cache is stored and read in bfloat16 while the model computes in float32: greedy
     responses of a peaky model (no near ties) are the float32 cache's, and the model is left
     with its own attention."""
-    model = peaky_model(tokenizer, seed=6)
+    model = peaky_model(tokenizer, seed=6, hidden=ATTENTION[attention])
     prompts = [tokenizer(t)["input_ids"] for t in
                ["You arrive at cabinet 1.", "You are in the middle of a room. Looking around"]]
     s = Sampling(temperature=0.0, max_new_tokens=10)
@@ -278,6 +298,7 @@ def test_a_bfloat16_kv_cache_under_a_float32_model(tokenizer):
     gen = HFGenerator(model, tokenizer, [tokenizer.eos_token_id], kv_dtype=torch.bfloat16)
     got = gen.generate(prompts, s)
     assert gen._ragged and {k.dtype for k in gen._cache.keys} == {torch.bfloat16}
+    assert uses_kernel(gen, attention)
     assert [g.token_ids for g in got] == [g.token_ids for g in want]
     assert [g.entropy for g in got] == pytest.approx([g.entropy for g in want], rel=0.05)
     assert model.config._attn_implementation == "sdpa"

@@ -1,0 +1,101 @@
+"""Decode attention over a ragged KV cache as one compiled CPU kernel (``csrc/decode_attention.cpp``).
+
+Decoding B rows at once on a CPU is bound by reading their KV caches. The kernel reads each
+row's keys and values once and only up to that row's own length, for all the query heads that
+share a KV head, and computes in float32 from a float32 or bfloat16 cache. It is built on first
+use with the machine's C++ compiler for the machine's own CPU (x86-64 with AVX-512; about 20 s
+on 2 cores, then cached under ``TORCH_EXTENSIONS_DIR``, by default ``.cache/torch_extensions``
+in the working directory). Anywhere it cannot be built, or with ``HISR_DECODE_KERNEL=0``,
+:func:`kernel` is None and callers keep PyTorch's SDPA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+#: Set to ``0`` to never build or use the kernel.
+SWITCH = "HISR_DECODE_KERNEL"
+
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def project_extensions_dir() -> None:
+    """Cache JIT-compiled torch extensions under the working directory
+    (``.cache/torch_extensions``) unless ``TORCH_EXTENSIONS_DIR`` says otherwise."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".cache" / "torch_extensions"))
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def kernel() -> ModuleType | None:
+    """The compiled kernel (``supports(d, g, dtype)``, ``decode(...)``: see :func:`attend`),
+    built once per process; None where it cannot run (not x86-64 with AVX-512, no compiler,
+    ``HISR_DECODE_KERNEL=0``), with the reason logged once."""
+    if os.environ.get(SWITCH, "1") == "0":
+        return None
+    if "kernel" in _loaded:
+        return _loaded["kernel"]
+    module = None
+    flags = _cpu_flags()
+    if platform.machine().lower() not in ("x86_64", "amd64") or "avx512f" not in flags.split():
+        log.info("decode-attention kernel: needs an x86-64 CPU with AVX-512; using SDPA")
+    else:
+        from torch.utils.cpp_extension import load
+
+        project_extensions_dir()
+        # Built with -march=native: the name carries the source and the CPU it was built for.
+        digest = hashlib.sha256(SOURCE.read_bytes() + flags.encode()).hexdigest()[:12]
+        try:
+            module = load(f"hisr_decode_attention_{digest}", [str(SOURCE)],
+                          extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                          extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as err:  # noqa: BLE001 - any build failure: fall back to SDPA
+            log.warning("decode-attention kernel could not be built (%s); using SDPA",
+                        str(err).splitlines()[0] if str(err) else type(err).__name__)
+    _loaded["kernel"] = module
+    return module
+
+
+def supported(head_dim: int, groups: int, *dtypes: torch.dtype) -> bool:
+    """Whether :func:`attend` serves this head size, query heads per KV head, and caches of
+    every one of ``dtypes`` here (building the kernel if need be)."""
+    k = kernel()
+    return k is not None and all(k.supports(head_dim, groups, str(d).removeprefix("torch."))
+                                 for d in dtypes)
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor,
+           lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one query token per entry of ``rows`` over that cache row's first
+    ``lengths`` columns: ``softmax(scale · q Kᵀ) V`` (query head h reads KV head
+    ``h // (H / H_kv)``, as grouped-query attention repeats them). Needs :func:`supported`.
+
+    Shape: query (R, H, D); key, value (N, H_kv, S, D) with each head's (S, D) contiguous
+    (float32 or bfloat16); rows, lengths (R,) int64, 1 ≤ lengths ≤ S → (R, H, D) in query's
+    dtype.
+    """
+    k = kernel()
+    if k is None:
+        raise RuntimeError("the decode-attention kernel is not available here")
+    r, h, d = query.shape
+    q = query.to(torch.float32).reshape(r, key.shape[1], h // key.shape[1], d).contiguous()
+    out = k.decode(q, key, value, rows.contiguous(), lengths.contiguous(), float(scale))
+    return out.reshape(r, h, d).to(query.dtype)
