@@ -176,7 +176,14 @@ def _ragged_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
 
     def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor | None
              ) -> torch.Tensor:
-        return sdpa_attention_forward(module, q.to(k.dtype), k, v, m, **kwargs)[0].to(q.dtype)
+        if m is None:
+            return sdpa_attention_forward(module, q.to(k.dtype), k, v, m, **kwargs)[0].to(
+                q.dtype)
+        # Grouped-query attention without copying each KV head for its query heads (as
+        # transformers does for a masked query of several tokens): ~6x faster on a CPU.
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.to(k.dtype), k, v, attn_mask=m, scale=kwargs.get("scaling"), enable_gqa=True)
+        return out.transpose(1, 2).to(q.dtype)
 
     def decode(q: torch.Tensor, rows: torch.Tensor | None, m: torch.Tensor | None
                ) -> torch.Tensor:
