@@ -71,7 +71,8 @@ def measure(model_dir: Path, batch: int, episodes: int, seed: int, threads: int,
     return {"batch": batch, "episodes": len(rows), "env_steps": steps,
             "seconds": round(seconds, 2), "env_steps_per_s": round(steps / seconds, 2),
             "generated_tokens_per_s": round(tokens / seconds, 1),
-            "success": round(sum(r["won"] for r in rows) / len(rows), 3), **gen.stats}
+            "success": round(sum(r["won"] for r in rows) / len(rows), 3),
+            "decode_kernel": gen._kernel, **gen.stats}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -389,8 +389,10 @@ class HFGenerator(Streaming):
     pass of their own, whose rows then decode in the same poll); a finished row returns its
     response at once and takes the next request. Rows still held shift down
     over freed ones in the order their keys came, so episodes' rows stay about sorted by
-    length, and a decode pass's attention reads each range of rows only as far as its longest
-    row (SDPA models; :func:`decode_chunks`). A key's cache stays in its
+    length. SDPA models' decode tokens attend through the compiled kernel of
+    :mod:`hisr_core.decode_attention` (each row read only to its own length) where it serves
+    the model, else through SDPA over ranges of rows, each read only as far as its longest row
+    (:func:`decode_chunks`). A key's cache stays in its
     row between requests, so the next prompt of an episode is computed only from where it
     stops sharing a prefix with what the row holds: a turn costs its new observation.
 
