@@ -179,8 +179,9 @@ def _ragged_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
         if m is None:
             return sdpa_attention_forward(module, q.to(k.dtype), k, v, m, **kwargs)[0].to(
                 q.dtype)
-        # Grouped-query attention without copying each KV head for its query heads (as
-        # transformers does for a masked query of several tokens): ~6x faster on a CPU.
+        # Grouped-query attention without copying each KV head for its query heads, as
+        # transformers does for a masked query of several tokens (a 17-token prompt over
+        # 1,000 columns on a 2-core CPU: 142 µs against 215 µs).
         out = torch.nn.functional.scaled_dot_product_attention(
             q.to(k.dtype), k, v, attn_mask=m, scale=kwargs.get("scaling"), enable_gqa=True)
         return out.transpose(1, 2).to(q.dtype)
