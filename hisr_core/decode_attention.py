@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 #: Set to ``0`` to never build or use the kernel.
 SWITCH = "HISR_DECODE_KERNEL"
+#: A build lock older than this (seconds) was left by a build that died.
+STALE_LOCK_S = 600
 
 _loaded: dict[str, ModuleType | None] = {}
 
@@ -62,9 +65,18 @@ def kernel() -> ModuleType | None:
 
         project_extensions_dir()
         # Built with -march=native: the name carries the source and the CPU it was built for.
-        digest = hashlib.sha256(SOURCE.read_bytes() + flags.encode()).hexdigest()[:12]
+        name = "hisr_decode_attention_" + hashlib.sha256(
+            SOURCE.read_bytes() + flags.encode()).hexdigest()[:12]
+        build = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / name
+        lock = build / "lock"
+        # A build killed midway leaves its lock, and torch would wait on it forever.
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("removing the stale build lock %s", lock)
+            lock.unlink(missing_ok=True)
+        if not any(build.glob("*.so")):
+            log.info("building the decode-attention kernel (once for this CPU, ~20 s)")
         try:
-            module = load(f"hisr_decode_attention_{digest}", [str(SOURCE)],
+            module = load(name, [str(SOURCE)],
                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
                           extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as err:  # noqa: BLE001 - any build failure: fall back to SDPA

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,3 +96,20 @@ def test_bad_input_is_an_error_naming_it():
 def test_switched_off(monkeypatch):
     monkeypatch.setenv(decode_attention.SWITCH, "0")
     assert decode_attention.kernel() is None and not supported(32, 2, torch.float32)
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):
+    """torch waits forever on the lock of a build that died; an old one is removed, and the
+    kernel (built already, copied here) loads."""
+    module = decode_attention.kernel()
+    build = Path(module.__file__).parent
+    shutil.copytree(build, tmp_path / build.name)
+    lock = tmp_path / build.name / "lock"
+    lock.touch()
+    old = time.time() - decode_attention.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    code = "from hisr_core.decode_attention import kernel; assert kernel() is not None"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120,
+                   cwd=Path(__file__).resolve().parents[2])
+    assert not lock.exists()
