@@ -11,6 +11,7 @@ in the working directory). Anywhere it cannot be built, or with ``HISR_DECODE_KE
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -32,10 +33,18 @@ STALE_LOCK_S = 600
 _loaded: dict[str, ModuleType | None] = {}
 
 
-def project_extensions_dir() -> None:
+def project_extensions_dir() -> Path:
     """Cache JIT-compiled torch extensions under the working directory
-    (``.cache/torch_extensions``) unless ``TORCH_EXTENSIONS_DIR`` says otherwise."""
+    (``.cache/torch_extensions``) unless ``TORCH_EXTENSIONS_DIR`` says otherwise, and remove
+    the build locks that builds killed midway left there (torch would wait on them forever)."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".cache" / "torch_extensions"))
+    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    for lock in root.glob("*/lock"):
+        with contextlib.suppress(OSError):  # a build that just finished took it away
+            if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+                log.warning("removing the stale build lock %s", lock)
+                lock.unlink()
+    return root
 
 
 def _cpu_flags() -> str:
@@ -63,17 +72,10 @@ def kernel() -> ModuleType | None:
     else:
         from torch.utils.cpp_extension import load
 
-        project_extensions_dir()
         # Built with -march=native: the name carries the source and the CPU it was built for.
         name = "hisr_decode_attention_" + hashlib.sha256(
             SOURCE.read_bytes() + flags.encode()).hexdigest()[:12]
-        build = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / name
-        lock = build / "lock"
-        # A build killed midway leaves its lock, and torch would wait on it forever.
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            log.warning("removing the stale build lock %s", lock)
-            lock.unlink(missing_ok=True)
-        if not any(build.glob("*.so")):
+        if not any((project_extensions_dir() / name).glob("*.so")):
             log.info("building the decode-attention kernel (once for this CPU, ~20 s)")
         try:
             module = load(name, [str(SOURCE)],
