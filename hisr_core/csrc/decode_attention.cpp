@@ -2,10 +2,10 @@
 // cache only up to its own length. See hisr_core/decode_attention.py.
 //
 // Decoding many rows at once on a CPU is bound by reading the cache. PyTorch's SDPA reads every
-// row up to the longest (or needs one call per range of rows), repeats nothing for grouped-query
-// attention only through a reshape, and in bfloat16 is bound by converting, not by reading. This
-// kernel reads each (row, KV head) once: scores of its G query heads against the keys, softmax,
-// then the values, in float32 whatever the cache stores (float32 or bfloat16).
+// row up to the longest (or needs one call per range of rows), and in bfloat16 is bound by
+// converting, not by reading. This kernel reads each (row, KV head) once, up to the row's own
+// length: scores of its G query heads against the keys, softmax, then the values, in float32
+// whatever the cache stores (float32 or bfloat16).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
