@@ -12,6 +12,7 @@ in the working directory). Anywhere it cannot be built, or with ``HISR_DECODE_KE
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -29,8 +30,6 @@ SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 SWITCH = "HISR_DECODE_KERNEL"
 #: A build lock older than this (seconds) was left by a build that died.
 STALE_LOCK_S = 600
-
-_loaded: dict[str, ModuleType | None] = {}
 
 
 def project_extensions_dir() -> Path:
@@ -61,31 +60,29 @@ def kernel() -> ModuleType | None:
     """The compiled kernel (``supports(d, g, dtype)``, ``decode(...)``: see :func:`attend`),
     built once per process; None where it cannot run (not x86-64 with AVX-512, no compiler,
     ``HISR_DECODE_KERNEL=0``), with the reason logged once."""
-    if os.environ.get(SWITCH, "1") == "0":
-        return None
-    if "kernel" in _loaded:
-        return _loaded["kernel"]
-    module = None
+    return None if os.environ.get(SWITCH, "1") == "0" else _build()
+
+
+@functools.cache
+def _build() -> ModuleType | None:
     flags = _cpu_flags()
     if platform.machine().lower() not in ("x86_64", "amd64") or "avx512f" not in flags.split():
         log.info("decode-attention kernel: needs an x86-64 CPU with AVX-512; using SDPA")
-    else:
-        from torch.utils.cpp_extension import load
+        return None
+    from torch.utils.cpp_extension import load
 
-        # Built with -march=native: the name carries the source and the CPU it was built for.
-        name = "hisr_decode_attention_" + hashlib.sha256(
-            SOURCE.read_bytes() + flags.encode()).hexdigest()[:12]
-        if not any((project_extensions_dir() / name).glob("*.so")):
-            log.info("building the decode-attention kernel (once for this CPU, ~20 s)")
-        try:
-            module = load(name, [str(SOURCE)],
-                          extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                          extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as err:  # noqa: BLE001 - any build failure: fall back to SDPA
-            log.warning("decode-attention kernel could not be built (%s); using SDPA",
-                        str(err).splitlines()[0] if str(err) else type(err).__name__)
-    _loaded["kernel"] = module
-    return module
+    # Built with -march=native: the name carries the source and the CPU it was built for.
+    name = "hisr_decode_attention_" + hashlib.sha256(
+        SOURCE.read_bytes() + flags.encode()).hexdigest()[:12]
+    if not any((project_extensions_dir() / name).glob("*.so")):
+        log.info("building the decode-attention kernel (once for this CPU, ~20 s)")
+    try:
+        return load(name, [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as err:  # noqa: BLE001 - any build failure: fall back to SDPA
+        log.warning("decode-attention kernel could not be built (%s); using SDPA",
+                    str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return None
 
 
 def supported(head_dim: int, groups: int, *dtypes: torch.dtype) -> bool:
