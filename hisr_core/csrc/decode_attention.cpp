@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -85,6 +86,21 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// Ask for the cache lines of a column ahead of the one being read. One (row, KV head) streams a
+// few KB to a few hundred KB, too short for the hardware prefetcher alone to keep enough reads
+// in flight: asking 4 KB ahead read the cache 10-25% faster (float32 and bfloat16, 2-core
+// CPU). A prefetch past the end of the cache is harmless (it never faults).
+constexpr int64_t kPrefetchBytes = 4096;
+
+template <typename T, int D>
+inline void prefetch_ahead(const T* column) {
+  constexpr int64_t columns = std::max<int64_t>(1, kPrefetchBytes / (sizeof(T) * D));
+  // Integer arithmetic: the address may lie past the tensor, which a pointer may not.
+  const auto p = reinterpret_cast<uintptr_t>(column) + columns * D * sizeof(T);
+  for (int i = 0; i < static_cast<int>(sizeof(T) * D + 63) / 64; ++i)
+    _mm_prefetch(reinterpret_cast<const char*>(p + 64 * i), _MM_HINT_T0);
+}
+
 // One (row, KV head): out[g] = softmax(scale * q[g] · K[:len]) · V[:len] for its G query heads.
 // q, out: [G, D] float32; k, v: [len, D] (rows D apart); s: room for G * len + 16 floats, the
 // scores column by column (s[j * G + g]).
@@ -106,6 +122,7 @@ void attend_one(const float* __restrict q, const T* __restrict k, const T* __res
     __m512 part[16];
     for (int b = 0; b < B; ++b) {
       __m512 kj[C];
+      prefetch_ahead<T, D>(k + (j0 + b) * D);
       Col::load(k + (j0 + b) * D, kj);
       for (int g = 0; g < G; ++g) {
         __m512 acc = _mm512_mul_ps(qv[g][0], kj[0]);
@@ -157,6 +174,7 @@ void attend_one(const float* __restrict q, const T* __restrict k, const T* __res
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < len; ++j) {
     __m512 vj[C];
+    prefetch_ahead<T, D>(v + j * D);
     Col::load(v + j * D, vj);
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(s[j * G + g]);
