@@ -150,6 +150,9 @@ def test_batched_greedy_equals_one_at_a_time(tokenizer, attention):
     batched = gen.generate(prompts, s)
     single = [gen.generate([p], s)[0] for p in prompts]
     assert [g.token_ids for g in batched] == [g.token_ids for g in single]
+    # Multi-token passes ran the linear layers packed (where this torch has oneDNN's).
+    assert gen._linears is not None
+    assert bool(gen._linears._packed) == gen._linears.enabled
     for g in batched:
         assert g.entropy >= 0 and len(g.token_ids) <= 12
     # The same as transformers' own greedy decoding of one prompt.
