@@ -6,7 +6,10 @@ it with ``--out``).
 
 Sampling as in collection (temperature 1.0). ``--model`` defaults to ``data/sft/pi_ref`` when it
 exists, else a freshly built (untrained) ``builtin:small``. Each setting plays its own episode
-count (B=1 fewer, it is slower); the figure compared is env steps per second.
+count (B=1 fewer, it is slower); the figure compared is env steps per second. With
+``--repeats R`` the pair (B=1, then B) is measured R times in turn, the same episodes each time,
+so a slow spell of a shared machine falls on both settings; the result is the pair with the
+median ratio (the lower middle one for an even R), and every pair's figures are kept.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ def measure(model_dir: Path, batch: int, episodes: int, seed: int, threads: int,
             "seconds": round(seconds, 2), "env_steps_per_s": round(steps / seconds, 2),
             "generated_tokens_per_s": round(tokens / seconds, 1),
             "success": round(sum(r["won"] for r in rows) / len(rows), 3),
-            "decode_kernel": gen._kernel, **gen.stats}
+            "decode_kernel": gen._kernel,
+            "packed_linear": bool(gen._linears and gen._linears.enabled), **gen.stats}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,19 +91,30 @@ def main(argv: list[str] | None = None) -> None:
                         help="weights and compute dtype of both settings (model.dtype)")
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="KV cache dtype of both settings (rollout.kv_dtype)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="pairs (B=1, then B) measured in turn; the median ratio's is kept")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    pairs = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, model_name = _model_dir(args.model, Path(tmp))
-        single = measure(model_dir, 1, args.single_episodes, args.seed, args.threads, args.dtype,
-                         args.kv_dtype)
-        batched = measure(model_dir, args.batch, args.episodes, args.seed, args.threads,
-                          args.dtype, args.kv_dtype)
+        for _ in range(args.repeats):
+            single = measure(model_dir, 1, args.single_episodes, args.seed, args.threads,
+                             args.dtype, args.kv_dtype)
+            batched = measure(model_dir, args.batch, args.episodes, args.seed, args.threads,
+                              args.dtype, args.kv_dtype)
+            pairs.append((round(batched["env_steps_per_s"] / single["env_steps_per_s"], 2),
+                          single, batched))
+    speedup, single, batched = sorted(pairs, key=lambda p: p[0])[(len(pairs) - 1) // 2]
     result = {
         "benchmark": "rollout_speed", "env": "household", "backend": "hf",
         "model": model_name,
-        "single": single, "batched": batched,
-        "speedup": round(batched["env_steps_per_s"] / single["env_steps_per_s"], 2),
+        "single": single, "batched": batched, "speedup": speedup,
+        "repeats": [{"single_env_steps_per_s": s["env_steps_per_s"],
+                     "batched_env_steps_per_s": b["env_steps_per_s"], "speedup": r}
+                    for r, s, b in pairs],
         "python": platform.python_version(), "threads": args.threads, "dtype": args.dtype,
         "kv_dtype": args.kv_dtype,
     }
