@@ -195,10 +195,11 @@ def test_rows_run_continuously_and_answer_when_done(tokenizer, attention):
     assert uses_kernel(gen, attention)
 
 
-def test_rows_left_move_down_into_freed_ones(tokenizer):
+def test_rows_left_move_down_into_freed_ones(tokenizer, attention):
     """Once the low rows are released, the rows still held move into them (a decode pass
-    spans rows 0..max), and their responses, and the cache a session reuses, stay their own."""
-    model = peaky_model(tokenizer, seed=7)
+    spans rows 0..max): in order under SDPA, the top ones into the gaps with the kernel; their
+    responses, and the cache a session reuses, stay their own."""
+    model = peaky_model(tokenizer, seed=7, hidden=ATTENTION[attention])
     eos = tokenizer.eos_token_id
     prompts = [tokenizer(t)["input_ids"] for t in
                ["You arrive at cabinet 1.", "Nothing happens.", "You open the fridge 1.",
@@ -219,7 +220,8 @@ def test_rows_left_move_down_into_freed_ones(tokenizer):
         rows, feeds, dense)
     while len(got) < 4:
         got.update(gen.poll())
-    assert sorted(gen._where.values()) == [0, 1] and set(spans) == {2}
+    assert set(spans) == {2} and uses_kernel(gen, attention)
+    assert gen._where == ({2: 0, 3: 1} if attention == "sdpa" else {3: 0, 2: 1})
     alone = HFGenerator(model, tokenizer, stop_ids=[eos], max_rows=1)
     for i in (2, 3):
         assert got[i].token_ids == alone.generate(
@@ -232,6 +234,36 @@ def test_rows_left_move_down_into_freed_ones(tokenizer):
     assert gen.stats["prompt_tokens_reused"] - reused == len(prompts[2]) + 11
     assert cached.token_ids == alone.generate([more], s)[0].token_ids
 
+
+
+def test_with_the_kernel_a_waiting_request_takes_a_freed_row_and_nothing_moves(tokenizer):
+    """The kernel reads each row only to its own length, so a new request fills the gap a
+    released key left, instead of the rows above shifting down (a copy of their caches)."""
+    if decode_attention.kernel() is None:
+        pytest.skip("the decode-attention kernel cannot be built here")
+    model = peaky_model(tokenizer, seed=7, hidden=ATTENTION["kernel"])
+    eos = tokenizer.eos_token_id
+    prompts = [tokenizer(t)["input_ids"] for t in
+               ["You arrive at cabinet 1.", "Nothing happens.", "You open the fridge 1.",
+                "On the countertop 1, you see a mug 1."]]
+    gen = HFGenerator(model, tokenizer, stop_ids=[eos], max_rows=3)
+    assert gen._kernel
+    for i, n in enumerate([1, 12, 12]):
+        gen.submit(i, prompts[i], Sampling(temperature=0.0, max_new_tokens=n))
+    got = dict(gen.poll())
+    assert set(got) == {0}
+    gen.release(0)
+    moves = []
+    move = gen._cache.move
+    gen._cache.move = lambda *a: moves.append(a) or move(*a)
+    s = Sampling(temperature=0.0, max_new_tokens=12)
+    gen.submit(3, prompts[3], s)
+    while len(got) < 4:
+        got.update(gen.poll())
+    assert moves == [] and gen._where == {3: 0, 1: 1, 2: 2}
+    alone = HFGenerator(model, tokenizer, stop_ids=[eos], max_rows=1)
+    for i in (1, 2, 3):
+        assert got[i].token_ids == alone.generate([prompts[i]], s)[0].token_ids
 
 def test_decode_chunks_split_rows_where_lengths_drop():
     # One range when a split saves less than a call costs; else ranges of similar lengths.
