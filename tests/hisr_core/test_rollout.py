@@ -235,7 +235,6 @@ def test_rows_left_move_down_into_freed_ones(tokenizer, attention):
     assert cached.token_ids == alone.generate([more], s)[0].token_ids
 
 
-
 def test_with_the_kernel_a_waiting_request_takes_a_freed_row_and_nothing_moves(tokenizer):
     """The kernel reads each row only to its own length, so a new request fills the gap a
     released key left, instead of the rows above shifting down (a copy of their caches)."""
@@ -264,6 +263,7 @@ def test_with_the_kernel_a_waiting_request_takes_a_freed_row_and_nothing_moves(t
     alone = HFGenerator(model, tokenizer, stop_ids=[eos], max_rows=1)
     for i in (1, 2, 3):
         assert got[i].token_ids == alone.generate([prompts[i]], s)[0].token_ids
+
 
 def test_decode_chunks_split_rows_where_lengths_drop():
     # One range when a split saves less than a call costs; else ranges of similar lengths.
