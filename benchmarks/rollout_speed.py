@@ -55,8 +55,8 @@ def measure(model_dir: Path, batch: int, episodes: int, seed: int, threads: int,
     from hisr_core.envs import make_environment
     from hisr_core.models import load_model, load_tokenizer
     from hisr_core.prompts import PromptBuilder
-    from hisr_core.rollout import HFGenerator, Sampling, play
-    from hisr_core.training import resolve_dtype, resolve_kv_dtype
+    from hisr_core.rollout import HFGenerator, Sampling, play, resolve_kv_dtype
+    from hisr_core.training import resolve_dtype
 
     torch.set_num_threads(threads)
     env = make_environment("household", 40)
@@ -65,7 +65,7 @@ def measure(model_dir: Path, batch: int, episodes: int, seed: int, threads: int,
     builder = PromptBuilder(tokenizer, None, 2048)
     model = load_model(model_dir, dtype=resolve_dtype(dtype))
     gen = HFGenerator(model, tokenizer, builder.stop_ids, seed=seed, max_rows=batch,
-                      kv_dtype=resolve_kv_dtype(kv_dtype))
+                      kv_dtype=resolve_kv_dtype(kv_dtype, model))
     start = time.perf_counter()
     rows = play(env, tasks, gen, builder, Sampling(temperature=1.0), batch_size=batch)
     seconds = time.perf_counter() - start
@@ -76,6 +76,7 @@ def measure(model_dir: Path, batch: int, episodes: int, seed: int, threads: int,
             "generated_tokens_per_s": round(tokens / seconds, 1),
             "success": round(sum(r["won"] for r in rows) / len(rows), 3),
             "decode_kernel": gen._kernel,
+            "kv_cache": str(gen._cache.dtype or model.dtype).removeprefix("torch."),
             "packed_linear": bool(gen._linears and gen._linears.enabled), **gen.stats}
 
 
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and compute dtype of both settings (model.dtype)")
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="KV cache dtype of both settings (rollout.kv_dtype)")
+                        help="KV cache dtype of both settings (rollout.kv_dtype; auto: bfloat16 where "
+                             "the decode kernel reads a float32 model's cache)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="pairs (B=1, then B) measured in turn; the median ratio's is kept")
     parser.add_argument("--out", type=Path, default=None)

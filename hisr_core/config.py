@@ -462,11 +462,13 @@ class RolloutParams(Section):
     policy's own distribution (the ``hf`` backend; others snap). PPO's own rollouts are free."""
 
     kv_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """The ``hf`` backend's KV cache dtype (``auto``: the model's). Decoding many episodes on a
-    CPU is bound by reading the cache: ``bfloat16`` under a float32 model halves what each step
-    reads (household, 32 episodes on a 2-core Xeon: 1.4× the env steps/s, greedy success
-    unchanged within noise; see README). Sampling then differs from the model's own dtype by
-    rounding the cached keys and values.
+    """The ``hf`` backend's KV cache dtype. Decoding many episodes on a CPU is bound by reading
+    the cache: ``bfloat16`` under a float32 model halves what each step reads (household, 32
+    episodes on a 2-core CPU: ~1.35× the env steps/s, B=1 and greedy success unchanged within
+    noise; see README). Sampling then differs from the model's own dtype by rounding the cached
+    keys and values; ``float32`` keeps the model's own numbers. ``auto``: bfloat16 where the
+    compiled decode kernel reads a float32 model's cache (a CPU with AVX-512, SDPA attention),
+    the model's dtype anywhere else (:func:`hisr_core.rollout.resolve_kv_dtype`).
     A vLLM server has its own (``--kv-cache-dtype``)."""
 
     openai: OpenAIParams = Field(default_factory=OpenAIParams)

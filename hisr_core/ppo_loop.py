@@ -57,7 +57,7 @@ from hisr_core.ppo import (
 )
 from hisr_core.prompts import Encoded, PromptBuilder
 from hisr_core.rewards import MODULATED, TURN_LEVEL, log_ratio, variant_rewards
-from hisr_core.rollout import HFGenerator, Sampling, play
+from hisr_core.rollout import HFGenerator, Sampling, play, resolve_kv_dtype
 from hisr_core.scoring import (
     episode_of,
     length_batches,
@@ -254,7 +254,7 @@ def iteration_tasks(tasks: Sequence[Task], cfg: PpoParams, iteration: int) -> li
 
 def collect(policy: nn.Module, builder: PromptBuilder, env: Environment, tasks: Sequence[Task],
             cfg: PpoParams, max_new_tokens: int, batch_size: int, iteration: int,
-            progress: bool = False, kv_dtype: torch.dtype | None = None
+            progress: bool = False, kv_dtype: str = "auto"
             ) -> list[dict[str, Any]]:
     """Play ``tasks`` ``samples_per_task`` times each with the current policy (sampling seeded
     by iteration and episode, so a resumed run draws the same episodes)."""
@@ -263,7 +263,7 @@ def collect(policy: nn.Module, builder: PromptBuilder, env: Environment, tasks: 
     model = unwrap_hf(policy)  # LoRA layers stay injected; plain HF forward signature
     generator = HFGenerator(model, builder.tokenizer, builder.stop_ids,
                             seed=cfg.seed * 1_000_003 + iteration, max_rows=batch_size,
-                            kv_dtype=kv_dtype)
+                            kv_dtype=resolve_kv_dtype(kv_dtype, model))
     with tqdm(total=len(tasks) * cfg.samples_per_task, desc=f"iteration {iteration + 1} play",
               unit="ep", disable=not progress, leave=False, mininterval=2) as bar:
         rows = play(env, tasks, generator, builder,
@@ -642,7 +642,7 @@ class Inputs:
     alpha: float = 0.1
     max_new_tokens: int = 96
     batch_size: int = 32
-    kv_dtype: torch.dtype | None = None
+    kv_dtype: str = "auto"    # rollout.kv_dtype
     progress: bool = False
 
 

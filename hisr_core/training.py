@@ -111,12 +111,6 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     return table[name]
 
 
-def resolve_kv_dtype(name: str) -> torch.dtype | None:
-    """``rollout.kv_dtype`` as :class:`~hisr_core.rollout.HFGenerator` takes it: ``auto`` →
-    None (the model's dtype)."""
-    return None if name == "auto" else resolve_dtype(name)
-
-
 class DistInfo(NamedTuple):
     """Where this process sits; ``world_size == 1`` means no other processes."""
 

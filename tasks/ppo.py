@@ -30,7 +30,7 @@ from hisr_core.ppo_loop import (
 from hisr_core.prompts import PromptBuilder
 from hisr_core.sft import encode_trajectories, train_sft
 from hisr_core.sprm import load_sprm
-from hisr_core.training import resolve_dtype, resolve_kv_dtype, save_model_folder
+from hisr_core.training import resolve_dtype, save_model_folder
 from tasks.caching import cached_task
 from tasks.files import write_csv
 from tasks.rollout import device
@@ -129,7 +129,7 @@ def _inputs(params: Params, variant: str, tokenizer: Any, tasks_path: Path, d_st
               "beta": params.rewards.beta, "alpha": params.rewards.alpha,
               "max_new_tokens": params.rollout.max_new_tokens,
               "batch_size": params.rollout.batch_size,
-              "kv_dtype": resolve_kv_dtype(params.rollout.kv_dtype), "progress": True}
+              "kv_dtype": params.rollout.kv_dtype, "progress": True}
     if params.ppo.mode == "offline":
         return Inputs(builder, env_cls.command_grammar,
                       rows=offline_rows(params, variant, d_st, rewards), **common)

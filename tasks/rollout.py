@@ -14,8 +14,8 @@ from hisr_core.config import Params
 from hisr_core.envs import Environment, Task
 from hisr_core.models import load_model, load_tokenizer
 from hisr_core.prompts import PromptBuilder
-from hisr_core.rollout import Generator, HFGenerator, Sampling, play
-from hisr_core.training import resolve_dtype, resolve_kv_dtype
+from hisr_core.rollout import Generator, HFGenerator, Sampling, play, resolve_kv_dtype
+from hisr_core.training import resolve_dtype
 
 
 def device() -> str:
@@ -47,7 +47,7 @@ def open_generator(params: Params, model_dir: Path,
     model = load_model(model_dir, dtype=resolve_dtype(params.model.dtype)).to(device())
     yield HFGenerator(model, tokenizer, builder.stop_ids, seed=seed,
                       max_rows=params.rollout.batch_size,
-                      kv_dtype=resolve_kv_dtype(params.rollout.kv_dtype)), builder
+                      kv_dtype=resolve_kv_dtype(params.rollout.kv_dtype, model)), builder
 
 
 def play_with_progress(params: Params, env: Environment, tasks: Sequence[Task],

@@ -349,6 +349,25 @@ def test_a_kv_dtype_of_its_own_needs_sdpa(tokenizer):
     HFGenerator(model, tokenizer, [tokenizer.eos_token_id], kv_dtype=torch.float32)
 
 
+def test_auto_kv_dtype_is_bfloat16_only_where_the_kernel_reads_a_float32_cache(tokenizer,
+                                                                              attention):
+    model = peaky_model(tokenizer, hidden=ATTENTION[attention])
+    auto = rollout.resolve_kv_dtype("auto", model)
+    # Head size 8 is not the kernel's: SDPA reads the cache, which stays the model's.
+    assert auto == (torch.bfloat16 if attention == "kernel" else None)
+    gen = HFGenerator(model, tokenizer, [tokenizer.eos_token_id], kv_dtype=auto)
+    assert uses_kernel(gen, attention)
+    assert rollout.resolve_kv_dtype("float32", model) == torch.float32
+    assert rollout.resolve_kv_dtype("bfloat16", model) == torch.bfloat16
+    model.config._attn_implementation = "eager"
+    assert rollout.resolve_kv_dtype("auto", model) is None
+    model.config._attn_implementation = "sdpa"
+    assert rollout.resolve_kv_dtype("auto", model.to(torch.bfloat16)) is None
+    with pytest.raises(ValueError, match="unknown rollout.kv_dtype 'fp8'; expected auto, "
+                                         "float32, bfloat16"):
+        rollout.resolve_kv_dtype("fp8", model)
+
+
 def test_a_model_the_ragged_cache_cannot_serve_runs_without_it(tokenizer):
     """Sliding-window attention: the check against a plain forward pass fails, and the
     backend recomputes each step, matching transformers' own greedy decoding."""
