@@ -1,7 +1,7 @@
 """ALFWorld env-steps/s with W environment worker processes against W = 1, measured in one run.
 
 B episodes are in play at once (as in the episode engine); every round sends one command per
-episode to the workers (:class:`hisr_core.env_workers.EnvWorkers`) and waits for all answers.
+episode to the workers (:class:`hisr_core.envs.workers.EnvWorkers`) and waits for all answers.
 The commands come from a uniformly random policy over the admissible ones (read from the
 observation, ``show_admissible`` on), so the figure is the environment's alone, without a model.
 A finished episode is replaced by the next game, so resets (which load and plan a game in
@@ -29,8 +29,8 @@ try:
 except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(ROOT))
 
-from hisr_core.env_workers import EnvWorkers
 from hisr_core.envs import make_environment
+from hisr_core.envs.workers import EnvWorkers
 
 ADMISSIBLE = "\nAdmissible actions: "
 

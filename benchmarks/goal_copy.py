@@ -45,10 +45,10 @@ def main(argv: list[str] | None = None) -> None:
     import pandas as pd
     import torch
 
+    from hisr_core.agent.models import load_model, load_tokenizer
+    from hisr_core.agent.prompts import PromptBuilder
     from hisr_core.config import load_params
     from hisr_core.envs import environment_class
-    from hisr_core.models import load_model, load_tokenizer
-    from hisr_core.prompts import PromptBuilder
 
     for path in [args.model / "config.json", *args.rows]:
         if not path.is_file():

@@ -34,8 +34,8 @@ except ImportError:  # run from a checkout without installing the package
 
 
 def prompts_of(builder, n: int) -> list[list[int]]:
+    from hisr_core.agent.prompts import system_text
     from hisr_core.envs import make_environment
-    from hisr_core.prompts import system_text
 
     env = make_environment("household", 40)
     out: list[list[int]] = []
@@ -87,10 +87,11 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from hisr_core.models import load_model, load_tokenizer
-    from hisr_core.openai_backend import OpenAIGenerator
-    from hisr_core.prompts import PromptBuilder
-    from hisr_core.rollout import HFGenerator, Sampling
+    from hisr_core.agent.models import load_model, load_tokenizer
+    from hisr_core.agent.prompts import PromptBuilder
+    from hisr_core.rollout.engine import Sampling
+    from hisr_core.rollout.hf import HFGenerator
+    from hisr_core.rollout.openai_backend import OpenAIGenerator
 
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"no model folder at {args.model} (run `dvc repro sft` first)")

@@ -38,8 +38,8 @@ def _model_dir(arg: str | None, tmp: Path) -> tuple[Path, str]:
     default = ROOT / "data" / "sft" / "pi_ref"
     if (default / "config.json").is_file():
         return default, "data/sft/pi_ref"
+    from hisr_core.agent.models import build_builtin
     from hisr_core.envs import make_environment
-    from hisr_core.models import build_builtin
 
     env = make_environment("household", 40)
     texts = []
@@ -52,11 +52,12 @@ def measure(model_dir: Path, batch: int, episodes: int, seed: int, threads: int,
             dtype: str = "float32", kv_dtype: str = "auto") -> dict:
     import torch
 
+    from hisr_core.agent.models import load_model, load_tokenizer
+    from hisr_core.agent.prompts import PromptBuilder
     from hisr_core.envs import make_environment
-    from hisr_core.models import load_model, load_tokenizer
-    from hisr_core.prompts import PromptBuilder
-    from hisr_core.rollout import HFGenerator, Sampling, play, resolve_kv_dtype
-    from hisr_core.training import resolve_dtype
+    from hisr_core.rollout.engine import Sampling, play
+    from hisr_core.rollout.hf import HFGenerator, resolve_kv_dtype
+    from hisr_core.train.engine import resolve_dtype
 
     torch.set_num_threads(threads)
     env = make_environment("household", 40)

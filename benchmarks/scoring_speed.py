@@ -1,4 +1,4 @@
-"""Scored turns/s of the batched response scorer (``hisr_core.scoring.turn_logprobs``)
+"""Scored turns/s of the batched response scorer (``hisr_core.train.scoring.turn_logprobs``)
 against a naive reference that runs one forward pass per turn (its generation prompt, then
 its response), on household trajectories with the default model, measured in one run. Prints
 one JSON object (and writes it with ``--out``).
@@ -42,10 +42,10 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from hisr_core import contracts
+    from hisr_core.agent.models import load_model, load_tokenizer
+    from hisr_core.agent.prompts import PromptBuilder
     from hisr_core.envs import make_environment
-    from hisr_core.models import load_model, load_tokenizer
-    from hisr_core.prompts import PromptBuilder
-    from hisr_core.scoring import episode_of, turn_logprobs, turn_logprobs_naive
+    from hisr_core.train.scoring import episode_of, turn_logprobs, turn_logprobs_naive
 
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"no model folder at {args.model} (run `dvc repro sft` first)")

@@ -1,4 +1,4 @@
-"""SFT speed: this project's trainer (hisr_core.sft) against TRL's ``SFTTrainer``, one process.
+"""SFT speed: this project's trainer (hisr_core.train.sft) against TRL's ``SFTTrainer``, one process.
 
 Both train the same freshly initialised model on the same token sequences (episodes encoded by
 ``PromptBuilder``, loss on response tokens only), with the same micro-batch, sequence length and
@@ -32,10 +32,10 @@ except ImportError:  # run from a checkout without installing the package
 import pyarrow.parquet as pq
 import torch
 
+from hisr_core.agent.models import build_builtin, is_builtin, load_model, load_tokenizer
+from hisr_core.agent.prompts import Encoded, PromptBuilder, system_text
 from hisr_core.config import SftParams
-from hisr_core.models import build_builtin, is_builtin, load_model, load_tokenizer
-from hisr_core.prompts import Encoded, PromptBuilder, system_text
-from hisr_core.sft import encode_trajectories, train_sft
+from hisr_core.train.sft import encode_trajectories, train_sft
 
 GRAMMAR = ("go to {recep}", "open {recep}", "close {recep}", "take {obj} from {recep}",
            "put {obj} in/on {recep}", "clean {obj} with {recep}", "heat {obj} with {recep}",

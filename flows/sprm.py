@@ -18,7 +18,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from hisr_core.training import replace_folder
+from hisr_core.train.engine import replace_folder
 from tasks.caching import use_cache_dir
 from tasks.cli import load_or_exit, require, stage_parser
 from tasks.expert import check_env

@@ -240,7 +240,7 @@ class HindsightParams(FitParams):
     """Peak learning rate of the block readers."""
 
     pointer_rank: int = Field(32, ge=0)
-    """Rank of the copy head on the block (:class:`~hisr_core.gated_attention.BlockPointer`;
+    """Rank of the copy head on the block (:class:`~hisr_core.rewards.gated_attention.BlockPointer`;
     0: none): it boosts the block's tokens where the future shows the answer."""
 
     pointer_lr: float = Field(1e-2, gt=0.0)
@@ -468,7 +468,7 @@ class RolloutParams(Section):
     noise; see README). Sampling then differs from the model's own dtype by rounding the cached
     keys and values; ``float32`` keeps the model's own numbers. ``auto``: bfloat16 where the
     compiled decode kernel reads a float32 model's cache (a CPU with AVX-512, SDPA attention),
-    the model's dtype anywhere else (:func:`hisr_core.rollout.resolve_kv_dtype`).
+    the model's dtype anywhere else (:func:`hisr_core.rollout.hf.resolve_kv_dtype`).
     A vLLM server has its own (``--kv-cache-dtype``)."""
 
     openai: OpenAIParams = Field(default_factory=OpenAIParams)

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from hisr_core import contracts
-from hisr_core.collect import drop_reason
 from hisr_core.config import Params
 from hisr_core.envs import Task, make_environment
-from hisr_core.rollout import Sampling
+from hisr_core.rollout.engine import Sampling
+from hisr_core.rollout.filters import drop_reason
 from tasks.caching import cached_task
 from tasks.rollout import open_generator, play_with_progress
 

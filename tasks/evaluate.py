@@ -8,7 +8,7 @@ from typing import Any
 from hisr_core import contracts
 from hisr_core.config import Params
 from hisr_core.envs import Task, environment_class, make_environment
-from hisr_core.rollout import Sampling, success_table
+from hisr_core.rollout.engine import Sampling, success_table
 from tasks.caching import cached_task
 from tasks.rollout import open_generator, play_with_progress
 

@@ -11,8 +11,8 @@ from tqdm.auto import tqdm
 
 from hisr_core import contracts
 from hisr_core.config import EnvParams
-from hisr_core.env_workers import expert_episodes
 from hisr_core.envs import Task, make_environment
+from hisr_core.envs.workers import expert_episodes
 from tasks.caching import cached_task
 
 

@@ -8,16 +8,16 @@ from typing import Any
 import torch
 
 from hisr_core import contracts
+from hisr_core.agent.models import load_model, load_tokenizer
+from hisr_core.agent.prompts import PromptBuilder
 from hisr_core.config import Params
 from hisr_core.envs import environment_class
-from hisr_core.fit import split_by_task
-from hisr_core.gated_attention import attach_gates, gate_values, load_gated, save_gates
-from hisr_core.hindsight import Window, hindsight_logprobs, trajectory_examples
-from hisr_core.models import load_model, load_tokenizer
-from hisr_core.prompts import PromptBuilder
-from hisr_core.scoring import episode_of, turn_logprobs
-from hisr_core.sft import train_sft
-from hisr_core.training import freeze_weights, resolve_dtype
+from hisr_core.rewards.gated_attention import attach_gates, gate_values, load_gated, save_gates
+from hisr_core.rewards.hindsight import Window, hindsight_logprobs, trajectory_examples
+from hisr_core.train.engine import freeze_weights, resolve_dtype
+from hisr_core.train.fit import split_by_task
+from hisr_core.train.scoring import episode_of, turn_logprobs
+from hisr_core.train.sft import train_sft
 from tasks.caching import cached_task
 from tasks.tracking import LossCurve
 

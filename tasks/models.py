@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hisr_core.models import check_model_source  # noqa: F401  (re-exported for the flows)
+from hisr_core.agent.models import check_model_source  # noqa: F401  (re-exported for the flows)
 
 
 def check_model_dir(path: Path) -> None:

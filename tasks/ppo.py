@@ -12,12 +12,14 @@ from typing import Any
 import torch
 
 from hisr_core import contracts
+from hisr_core.agent.models import load_model, load_tokenizer
+from hisr_core.agent.prompts import PromptBuilder
 from hisr_core.config import Params
 from hisr_core.envs import Task, environment_class, make_environment
-from hisr_core.gated_attention import load_gated
-from hisr_core.hindsight import Window
-from hisr_core.models import load_model, load_tokenizer
-from hisr_core.ppo_loop import (
+from hisr_core.rewards.gated_attention import load_gated
+from hisr_core.rewards.hindsight import Window
+from hisr_core.rewards.sprm import load_sprm
+from hisr_core.rl.loop import (
     Frozen,
     Inputs,
     load_checkpoint,
@@ -27,10 +29,8 @@ from hisr_core.ppo_loop import (
     setup,
     train,
 )
-from hisr_core.prompts import PromptBuilder
-from hisr_core.sft import encode_trajectories, train_sft
-from hisr_core.sprm import load_sprm
-from hisr_core.training import resolve_dtype, save_model_folder
+from hisr_core.train.engine import resolve_dtype, save_model_folder
+from hisr_core.train.sft import encode_trajectories, train_sft
 from tasks.caching import cached_task
 from tasks.files import write_csv
 from tasks.rollout import device

@@ -12,17 +12,17 @@ from typing import Any
 import torch
 
 from hisr_core import contracts
+from hisr_core.agent.models import load_model, load_tokenizer
+from hisr_core.agent.prompts import PromptBuilder
 from hisr_core.config import Params
 from hisr_core.envs import environment_class
-from hisr_core.gated_attention import load_gated
-from hisr_core.hindsight import Window, hindsight_logprobs
-from hisr_core.models import load_model, load_tokenizer
-from hisr_core.prompts import PromptBuilder
-from hisr_core.rewards import POSITIONS, TURN_LEVEL, position_mass, trajectory_rewards
-from hisr_core.scoring import episode_of, turn_logprobs
-from hisr_core.segment import Segment
-from hisr_core.sprm import load_sprm, pearson, turn_rewards
-from hisr_core.training import resolve_dtype
+from hisr_core.rewards.gated_attention import load_gated
+from hisr_core.rewards.hindsight import Window, hindsight_logprobs
+from hisr_core.rewards.modulation import POSITIONS, TURN_LEVEL, position_mass, trajectory_rewards
+from hisr_core.rewards.sprm import load_sprm, pearson, turn_rewards
+from hisr_core.segment.segmenter import Segment
+from hisr_core.train.engine import resolve_dtype
+from hisr_core.train.scoring import episode_of, turn_logprobs
 from tasks.caching import cached_task
 from tasks.files import save_figure, write_csv, write_text
 from tasks.sprm import encode_rows

@@ -10,12 +10,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from hisr_core.agent.models import load_model, load_tokenizer
+from hisr_core.agent.prompts import PromptBuilder
 from hisr_core.config import Params
 from hisr_core.envs import Environment, Task
-from hisr_core.models import load_model, load_tokenizer
-from hisr_core.prompts import PromptBuilder
-from hisr_core.rollout import Generator, HFGenerator, Sampling, play, resolve_kv_dtype
-from hisr_core.training import resolve_dtype
+from hisr_core.rollout.engine import Generator, Sampling, play
+from hisr_core.rollout.hf import HFGenerator, resolve_kv_dtype
+from hisr_core.train.engine import resolve_dtype
 
 
 def device() -> str:
@@ -35,7 +36,7 @@ def open_generator(params: Params, model_dir: Path,
     tokenizer = load_tokenizer(model_dir)
     builder = PromptBuilder.of(tokenizer, params.model)
     if params.rollout.backend == "openai":
-        from hisr_core.openai_backend import OpenAIGenerator
+        from hisr_core.rollout.openai_backend import OpenAIGenerator
 
         o = params.rollout.openai
         with OpenAIGenerator(o.base_url, o.model or str(model_dir), tokenizer, builder.stop_ids,
@@ -53,13 +54,13 @@ def open_generator(params: Params, model_dir: Path,
 def play_with_progress(params: Params, env: Environment, tasks: Sequence[Task],
                        generator: Generator, builder: PromptBuilder, sampling: Sampling,
                        samples_per_task: int, policy: str, desc: str) -> list[dict[str, Any]]:
-    """:func:`hisr_core.rollout.play` with a progress bar showing the running success rate,
+    """:func:`hisr_core.rollout.engine.play` with a progress bar showing the running success rate,
     stepping in ``rollout.env_workers`` worker processes when that is above 0."""
     total = len(tasks) * samples_per_task
     with contextlib.ExitStack() as stack:
         workers = None
         if params.rollout.env_workers > 0:
-            from hisr_core.env_workers import EnvWorkers
+            from hisr_core.envs.workers import EnvWorkers
 
             workers = stack.enter_context(EnvWorkers(
                 params.env.name, params.env.max_turns, params.env.options,

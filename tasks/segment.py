@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from hisr_core import contracts
 from hisr_core.config import Params
 from hisr_core.envs import environment_class
-from hisr_core.segment import Segment, segment_offline, validate
+from hisr_core.segment.segmenter import Segment, segment_offline, validate
 from tasks.caching import cached_task
 from tasks.files import save_figure, write_csv
 
@@ -26,7 +26,7 @@ def segment(params: Params, d_ct: Path, out: Path) -> tuple[list[dict[str, Any]]
     rows = contracts.read_rows(d_ct, "rollouts")
     stats: dict[str, Any] = {}
     if cfg.segmenter == "llm":
-        from hisr_core.llm_segment import LLMSegmenter
+        from hisr_core.segment.llm import LLMSegmenter
 
         c = cfg.llm
         llm = LLMSegmenter(c.base_url, c.model, c.api_key_env, Path(c.cache_dir),

@@ -6,12 +6,12 @@ from pathlib import Path
 from typing import Any
 
 from hisr_core import contracts
+from hisr_core.agent.models import build_builtin, is_builtin, load_model, load_tokenizer
+from hisr_core.agent.prompts import PromptBuilder, system_text
 from hisr_core.config import Params
 from hisr_core.envs import environment_class
-from hisr_core.models import build_builtin, is_builtin, load_model, load_tokenizer
-from hisr_core.prompts import PromptBuilder, system_text
-from hisr_core.sft import encode_trajectories, train_sft
-from hisr_core.training import resolve_dtype
+from hisr_core.train.engine import resolve_dtype
+from hisr_core.train.sft import encode_trajectories, train_sft
 from tasks.caching import cached_task
 from tasks.tracking import LossCurve
 

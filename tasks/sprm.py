@@ -6,15 +6,15 @@ from pathlib import Path
 from typing import Any
 
 from hisr_core import contracts
+from hisr_core.agent.models import load_model, load_tokenizer
+from hisr_core.agent.prompts import PromptBuilder
 from hisr_core.config import Params
 from hisr_core.envs import environment_class
-from hisr_core.fit import split_by_task
-from hisr_core.models import load_model, load_tokenizer
-from hisr_core.prompts import PromptBuilder
-from hisr_core.scoring import episode_of
-from hisr_core.segment import Segment, by_turn
-from hisr_core.sprm import Trajectory, encode_trajectory, evaluate, train_sprm
-from hisr_core.training import resolve_dtype
+from hisr_core.rewards.sprm import Trajectory, encode_trajectory, evaluate, train_sprm
+from hisr_core.segment.segmenter import Segment, by_turn
+from hisr_core.train.engine import resolve_dtype
+from hisr_core.train.fit import split_by_task
+from hisr_core.train.scoring import episode_of
 from tasks.caching import cached_task
 from tasks.tracking import LossCurve
 

@@ -134,7 +134,7 @@ def log_metrics(metrics: Mapping[str, Any], path: str | Path | None = None) -> N
 
 
 class LossCurve:
-    """An ``on_log`` callback for :func:`hisr_core.fit.fit`: logs each step's metrics to the
+    """An ``on_log`` callback for :func:`hisr_core.train.fit.fit`: logs each step's metrics to the
     MLflow run ``run_id`` (if any) and keeps ``(step, loss)`` for a DVC plot."""
 
     def __init__(self, name: str, run_id: str | None) -> None:

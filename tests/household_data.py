@@ -8,7 +8,7 @@ from typing import Any
 
 from hisr_core import contracts
 from hisr_core.envs import environment_class, make_environment
-from hisr_core.segment import by_rule
+from hisr_core.segment.segmenter import by_rule
 
 
 def rollout_rows(n: int = 6, split: str = "train", seed: int = 0, fail_every: int = 3,

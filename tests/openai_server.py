@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from hisr_core.rollout import HFGenerator, Sampling
+from hisr_core.rollout.engine import Sampling
+from hisr_core.rollout.hf import HFGenerator
 from tests.local_http import LocalServer, send_json
 
 

@@ -1,6 +1,6 @@
 """A scripted policy behind the generation protocol, for tests of the episode loop.
 
-A test double, not a model: the tests that use it check how :func:`hisr_core.rollout.play`
+A test double, not a model: the tests that use it check how :func:`hisr_core.rollout.engine.play`
 records, steps and filters episodes for given responses, which a real model cannot be made to
 produce on demand. Every request submitted is answered on the next :meth:`poll`.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from hisr_core.rollout import Generation, Sampling
+from hisr_core.rollout.engine import Generation, Sampling
 
 
 class ScriptedBackend:

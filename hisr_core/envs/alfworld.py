@@ -54,6 +54,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hisr_core.agent.react import format_response
 from hisr_core.envs.base import (
     ADMISSIBLE_MARKER,
     NOTHING_HAPPENS,
@@ -66,7 +67,6 @@ from hisr_core.envs.base import (
     Turn,
     register,
 )
-from hisr_core.react import format_response
 
 SPEC_VERSION = 1
 ROOT = "json_2.1.1"

@@ -21,7 +21,7 @@ import random
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from hisr_core.react import format_response
+from hisr_core.agent.react import format_response
 
 NOTHING_HAPPENS = "Nothing happens."
 #: Starts the admissible list ``show_admissible`` appends to an observation (the prompt builder

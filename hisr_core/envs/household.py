@@ -53,6 +53,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from hisr_core.agent.react import format_response
 from hisr_core.envs.base import (
     Environment,
     ExpertEpisode,
@@ -62,7 +63,6 @@ from hisr_core.envs.base import (
     Turn,
     register,
 )
-from hisr_core.react import format_response
 
 # --------------------------------------------------------------------------------------------
 # Data: receptacles, objects, priors, task vocabularies

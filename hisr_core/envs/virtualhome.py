@@ -60,6 +60,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hisr_core.agent.react import format_response
 from hisr_core.envs.base import (
     Environment,
     ExpertEpisode,
@@ -68,7 +69,6 @@ from hisr_core.envs.base import (
     Turn,
     register,
 )
-from hisr_core.react import format_response
 
 SPEC_VERSION = 1
 SPLITS: tuple[str, ...] = ("train", "valid_seen", "valid_unseen")

@@ -10,11 +10,11 @@ import pytest
 import yaml
 
 from hisr_core import contracts
+from hisr_core.agent.models import build_builtin, load_model, load_tokenizer
+from hisr_core.agent.prompts import PromptBuilder
 from hisr_core.config import Params, SftParams
 from hisr_core.envs import environment_class
-from hisr_core.models import build_builtin, load_model, load_tokenizer
-from hisr_core.prompts import PromptBuilder
-from hisr_core.sft import encode_trajectories, train_sft
+from hisr_core.train.sft import encode_trajectories, train_sft
 from tasks.sft import corpus
 from tests.openai_server import CompletionServer
 
@@ -106,7 +106,7 @@ def test_collect_through_an_openai_compatible_server(setup, tmp_path, run_module
 
 
 def test_server_errors_are_retried_then_fail_clearly(setup, tmp_path):
-    from hisr_core.openai_backend import BackendError
+    from hisr_core.rollout.openai_backend import BackendError
     from tasks.collect import collect
 
     model_dir = setup / "pi_ref"

@@ -86,9 +86,9 @@ def test_same_seed_gives_byte_identical_d_bc(write_params, tmp_path):
 def test_worker_processes_give_the_same_d_bc(write_params, tmp_path, monkeypatch):
     # expert.workers plays the games in pools of processes replaced every few games (3 here,
     # so 10 games take two pools); the order and every byte must match the in-process play.
-    import hisr_core.env_workers
+    import hisr_core.envs.workers
 
-    monkeypatch.setattr(hisr_core.env_workers, "GAMES_PER_PROCESS", 3)
+    monkeypatch.setattr(hisr_core.envs.workers, "GAMES_PER_PROCESS", 3)
     params = write_params({"expert": {"n_train": 10, "slip_rate": 0.3}})
     assert _run_stage_in_process(params, tmp_path / "a", workers=2) == \
         _run_stage_in_process(params, tmp_path / "b")

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from hisr_core import contracts
+from hisr_core.agent.models import build_builtin
 from hisr_core.envs import make_environment
-from hisr_core.models import build_builtin
-from hisr_core.ppo_loop import read_checkpoint_meta
-from hisr_core.rewards import POSITIONS
+from hisr_core.rewards.modulation import POSITIONS
+from hisr_core.rl.loop import read_checkpoint_meta
 from tests.household_data import rollout_rows
 
 VARIANTS = ["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hisr_core import contracts
-from hisr_core.segment import Segment, validate
+from hisr_core.segment.segmenter import Segment, validate
 from tests.chat_server import ChatServer
 from tests.hisr_core.test_segment import good_answer
 from tests.household_data import write_d_ct
@@ -98,8 +98,8 @@ def test_llm_segmenter_against_a_real_vllm_chat_server(tmp_path):
     import signal
     import subprocess
 
-    from hisr_core.llm_segment import LLMSegmenter
-    from hisr_core.models import build_builtin
+    from hisr_core.agent.models import build_builtin
+    from hisr_core.segment.llm import LLMSegmenter
     from tests.conftest import ROOT, _free_port, wait_for_http
 
     proc = subprocess.run(["bash", "scripts/vllm_env.sh"], cwd=ROOT, capture_output=True,

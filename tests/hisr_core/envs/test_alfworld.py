@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from hisr_core.agent.react import parse_action
 from hisr_core.envs import NOTHING_HAPPENS, environment_class, make_environment, registered
 from hisr_core.envs import alfworld as alf
 from hisr_core.envs.alfworld_data import unpack
-from hisr_core.react import parse_action
-from hisr_core.segment import by_rule
+from hisr_core.segment.segmenter import by_rule
 
 SOURCE = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "alfworld"
 N_GAMES = 20
@@ -190,7 +190,7 @@ def test_valid_seen_expert_follows_the_planner_and_wins(data_dir):
 def test_games_step_in_worker_processes(data_dir):
     # Slow environments step in worker processes (rollout.env_workers); the workers rebuild
     # the environment from its name and options and must give what the episode gives here.
-    from hisr_core.env_workers import EnvWorkers
+    from hisr_core.envs.workers import EnvWorkers
 
     env = _env(data_dir)
     task = env.make_tasks("train", 1, 0)[0]

@@ -303,7 +303,7 @@ def test_task_types_cover_every_activity_in_report_order():
 
 def test_rule_segmenter_cuts_after_state_changes():
     _sim()
-    from hisr_core.segment import by_rule, validate
+    from hisr_core.segment.segmenter import by_rule, validate
 
     verbs = environment_class("virtualhome").state_changing_verbs
     actions = [t.action for t in _env().expert_play(_task("1004_2")).turns]

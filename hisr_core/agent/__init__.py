@@ -1,0 +1,1 @@
+"""The agent: prompts, the ReAct response format and the models it runs on."""

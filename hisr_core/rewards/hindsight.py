@@ -1,0 +1,136 @@
+"""Stage 5: the hindsight model's examples (METHOD.md, stage 5).
+
+``pi_hind`` sees the task, the whole trajectory except response ``a_k`` (past *and* future
+turns) and the outcome, and must write ``a_k``. One example per turn. **Decision:** the
+hindsight information (the turns after k, the outcome and the final observation) is a block
+inserted into the system text, and the rest is the policy's own sequence for turn k: the past
+turns, ``o_k``, and the assistant turn where ``a_k`` was. ``pi_hind`` is ``pi_ref`` reading the
+block through gated attention (:mod:`hisr_core.rewards.gated_attention`): every token outside the block
+keeps the position it has without it, the block reads itself as plain text at the positions
+``Window.block_at`` picks, and a learned gate per layer and head is added to the attention
+logits from the other tokens to the block's; block readers (low-rank residuals on the block
+tokens' hidden states) let the block learn what to show, and a copy head
+(:class:`~hisr_core.rewards.gated_attention.BlockPointer`) boosts the block's words a response
+position points at. With the gates closed and the copy head at its start ``pi_hind`` *is*
+``pi_ref`` on the target (same tokens, same positions); training opens them as far as the
+future and the outcome help.
+(Inserted as plain text instead, the block shifts every later position: ``pi_ref``'s mean token
+NLL of held-out household targets started at 0.45 instead of 0.22, 1.16 with the block right
+before ``a_k``, and after full fine-tuning, or LoRA, stayed above ``pi_ref``'s from the prefix:
+0.219 against 0.169.) The example is an ordinary chat episode plus the block's span
+(:attr:`~hisr_core.agent.prompts.Encoded.block`), so the policy's prompt builder encodes it and the
+SFT loss trains it:
+
+    system:    the task's system text
+               + "Hindsight ... Later turns: [Observation] o_k+1 [Response] a_k+1 ...
+                  Outcome: success (R = 1.00). Final observation: ..."     (the block)
+    turns:     o_f, a_f, ..., o_k-1, a_k-1    (the past the policy's prompt kept, exactly)
+    user:      o_k
+    assistant: a_k                                           (the only tokens with loss)
+
+Scoring reads ``log pi_hind(a_k^j | hindsight context)`` off the same sequence; a model folder
+of ``pi_hind`` is loaded with :func:`~hisr_core.rewards.gated_attention.load_gated`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from transformers import PreTrainedModel
+
+from hisr_core.agent.prompts import Encoded, PromptBuilder
+from hisr_core.config import HindsightParams
+from hisr_core.rewards.gated_attention import block_span
+from hisr_core.train.scoring import episode_of, masked_logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """Turns kept around the masked turn k: ``past`` before it and ``future`` after it
+    (``None``: all, as far as ``max_tokens`` allows); ``block_at``: the positions the block
+    reads at (``system``: where it sits; ``turn``: just before turn k's observation)."""
+
+    past: int | None = None
+    future: int | None = None
+    block_at: Literal["system", "turn"] = "system"
+
+    @classmethod
+    def of(cls, cfg: HindsightParams) -> Window:
+        """The window of the ``hindsight`` params section."""
+        return cls(cfg.past, cfg.future, cfg.block_at)
+
+    def bounds(self, k: int, m: int) -> tuple[int, int]:
+        """First and last turn kept (inclusive) for turn k of m."""
+        return (0 if self.past is None else max(0, k - self.past),
+                m - 1 if self.future is None else min(m - 1, k + self.future))
+
+
+def hindsight_block(later: Sequence[tuple[str, str]], outcome: float, won: bool,
+                    final_observation: str) -> str:
+    """The hindsight text for the system message: the turns after k, the outcome and the final
+    observation."""
+    lines = ["Hindsight: how this episode went after the turn you are writing."]
+    if later:
+        lines.append("Later turns:")
+        for obs, resp in later:
+            lines += [f"[Observation] {obs}", f"[Response] {resp}"]
+    lines.append(f"Outcome: {'success' if won else 'failure'} (R = {outcome:.2f}). "
+                 f"Final observation: {final_observation}")
+    return "\n".join(lines)
+
+
+def hindsight_example(builder: PromptBuilder, system: str, turns: Sequence[tuple[str, str]], k: int,
+                      outcome: float, won: bool, final_observation: str,
+                      window: Window = Window()) -> Encoded:
+    """The example for turn ``k``: the system text with the hindsight block (the turns
+    ``window`` keeps after k), the turns before k the policy had in its prompt (fewer if
+    ``window.past`` says so), ``o_k``, and ``a_k`` (masked in).
+
+    Without the block the example is the policy's own sequence for turn k, so closed gates
+    score ``a_k`` exactly as :func:`hisr_core.train.scoring.turn_logprobs` does. The block has a
+    budget of its own, half of ``builder.max_tokens``: while over it, its latest turn goes."""
+    m = len(turns)
+    if not 0 <= k < m:
+        raise ValueError(f"turn {k} is outside a trajectory of {m} turns")
+    first, last = window.bounds(k, m)
+    first = max(first, builder.prompt(system, turns[:k], turns[k][0]).turns[0])
+    plain = builder.encode(system, turns[:k + 1], first, train_from=k)
+    budget = builder.max_tokens // 2
+    while True:
+        block = hindsight_block(turns[k + 1:last + 1], outcome, won, final_observation)
+        enc = builder.encode(f"{system}\n\n{block}", turns[:k + 1], first, train_from=k)
+        start, end = block_span(plain.input_ids, enc.input_ids)
+        if end - start <= budget:
+            break
+        if last == k:
+            raise ValueError(f"the hindsight block of turn {k} without later turns needs "
+                             f"{end - start} tokens > max_tokens/2={budget}")
+        last -= 1
+    # "system": where it is; "turn": just before turn k, like the context it reads most.
+    at = start if window.block_at == "system" else max(0, plain.turn_ids.index(k) - (end - start))
+    return dataclasses.replace(enc, block=(start, end, at))
+
+
+def trajectory_examples(builder: PromptBuilder, row: Mapping[str, Any], grammar: Sequence[str],
+                        window: Window = Window()) -> list[Encoded]:
+    """One example per turn of a ``D_ct`` / ``D_st`` row, in turn order."""
+    system, turns = episode_of(builder, row, grammar)
+    return [hindsight_example(builder, system, turns, k, float(row["outcome"]), bool(row["won"]),
+                              row["final_observation"], window) for k in range(len(turns))]
+
+
+def hindsight_logprobs(model: PreTrainedModel, builder: PromptBuilder,
+                       rows: Sequence[Mapping[str, Any]], grammar: Sequence[str],
+                       window: Window = Window(), max_batch_tokens: int = 8192,
+                       progress: str | None = None) -> list[list[torch.Tensor]]:
+    """Per row, per turn k, ``log pi_hind(a_k^j | hindsight context)`` of response k's tokens
+    (end-of-turn marker included, as :func:`hisr_core.train.scoring.turn_logprobs` scores them).
+    Shape: row → m tensors of shape (L_k,)."""
+    examples = [trajectory_examples(builder, row, grammar, window) for row in rows]
+    flat = [e for ex in examples for e in ex]
+    pad = builder.tokenizer.pad_token_id if builder.tokenizer.pad_token_id is not None else 0
+    scores = iter(masked_logprobs(model, flat, pad, max_batch_tokens, progress))
+    return [[next(scores) for _ in ex] for ex in examples]

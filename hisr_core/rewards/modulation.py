@@ -1,0 +1,184 @@
+"""Hindsight-modulated segmental rewards and the fused per-turn rewards (METHOD.md, stages 6
+and 7). Pure functions of tensors; no I/O.
+
+Notation (one trajectory): m turns, n segments (:class:`~hisr_core.segment.segmenter.Segment`, in order,
+covering the turns), ``r_hat`` (n,) the SPRM's segment rewards, ``log_ratio`` (m,) the
+per-turn hindsight log-ratios.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from hisr_core.segment.segmenter import Segment, by_turn
+
+Variant = Literal["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo"]
+#: Variants that modulate the segment rewards by hindsight (the others use ``r_hat`` as is).
+MODULATED: frozenset[str] = frozenset({"hisr", "no_spr", "no_agr"})
+
+#: Variants whose segments are single turns, rewarded by the turn-level reward model.
+TURN_LEVEL: frozenset[str] = frozenset({"no_spr", "no_both"})
+
+#: ``sum |m|`` below this counts as zero: the trajectory's rewards are left unmodulated.
+EPS = 1e-8
+
+
+def log_ratio(hindsight_logp: torch.Tensor, policy_logp: torch.Tensor, beta: float) -> float:
+    """``log_ratio_k = (1 / (beta * L)) * sum_j [log pi_hind(a_k^j | ...) - log pi(a_k^j | ...)]``.
+
+    Shape: both (L,), the log-probabilities of turn k's L response tokens. An empty response
+    has ratio 0 (importance as for an uninformative turn).
+    """
+    if hindsight_logp.shape != policy_logp.shape or hindsight_logp.dim() != 1:
+        raise ValueError(f"log-probs must be two (L,) tensors, got {tuple(hindsight_logp.shape)}"
+                         f" and {tuple(policy_logp.shape)}")
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    n = hindsight_logp.numel()
+    if n == 0:
+        return 0.0
+    return float((hindsight_logp.double() - policy_logp.double()).sum() / (beta * n))
+
+
+def _segment_of_turn(segments: Sequence[Segment], n_turns: int) -> torch.Tensor:
+    """Shape: (m,) long, the index of the segment each turn belongs to."""
+    index = torch.empty(n_turns, dtype=torch.long)
+    for i, s in enumerate(segments):
+        index[s.first:s.last + 1] = i
+    return index
+
+
+def turn_importance(log_ratios: torch.Tensor) -> torch.Tensor:
+    """Normalised turn importance ``z_k / sum_k z_k`` with ``z_k = exp(log_ratio_k)``, as a
+    softmax (no overflow). Shape: (m,) → (m,), summing to 1."""
+    return torch.softmax(log_ratios.double(), dim=0)
+
+
+def segment_importance(log_ratios: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+    """``z_hat(s_i) = sum_{k in s_i} z_k / sum_k z_k`` (the Decision in METHOD.md: segment
+    importances sum to 1 over the trajectory). Shape: (m,) → (n,)."""
+    weights = turn_importance(log_ratios)
+    index = _segment_of_turn(segments, weights.numel())
+    return torch.zeros(len(segments), dtype=weights.dtype).index_add_(0, index, weights)
+
+
+def modulate(r_hat: torch.Tensor, z_hat: torch.Tensor) -> torch.Tensor:
+    """``m = r_hat * z_hat``, ``r_him = m * sum|r_hat| / sum|m|``: the L1 mass of ``r_hat`` is
+    kept (a failed trajectory with ``r_hat ~ 0`` is not inflated); ``r_him = r_hat`` when
+    ``sum|m|`` is ~0. Shape: (n,), (n,) → (n,)."""
+    if r_hat.shape != z_hat.shape:
+        raise ValueError(f"r_hat {tuple(r_hat.shape)} and z_hat {tuple(z_hat.shape)} differ")
+    r = r_hat.double()
+    m = r * z_hat.double()
+    mass = m.abs().sum()
+    if float(mass) < EPS:
+        return r.clone()
+    return m * (r.abs().sum() / mass)
+
+
+def grounding(admissible: Sequence[bool]) -> torch.Tensor:
+    """``r_g_k = 1`` if turn k's action was executable, else 0. Shape: (m,)."""
+    return torch.tensor([1.0 if a else 0.0 for a in admissible], dtype=torch.float64)
+
+
+def fused_turn_rewards(segment_rewards: torch.Tensor, segments: Sequence[Segment],
+                       admissible: Sequence[bool], alpha: float) -> torch.Tensor:
+    """Reward on the last response token of each turn: ``alpha * r_g_k``, plus
+    ``(1 - alpha) * r_i`` on the last turn of segment i. Shape: (n,) → (m,)."""
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if segment_rewards.numel() != len(segments):
+        raise ValueError(f"{segment_rewards.numel()} rewards for {len(segments)} segments")
+    out = alpha * grounding(admissible)
+    last = torch.tensor([s.last for s in segments], dtype=torch.long)
+    return out.index_add_(0, last, (1 - alpha) * segment_rewards.double())
+
+
+def outcome_turn_rewards(outcome: float, n_turns: int) -> torch.Tensor:
+    """The ``ppo`` baseline: the outcome R on the last token of the last turn. Shape: (m,)."""
+    out = torch.zeros(n_turns, dtype=torch.float64)
+    out[-1] = outcome
+    return out
+
+
+def variant_rewards(variant: Variant, r_hat: torch.Tensor, log_ratios: torch.Tensor,
+                    segments: Sequence[Segment], admissible: Sequence[bool], alpha: float,
+                    outcome: float) -> torch.Tensor:
+    """Per-turn rewards (on each turn's last response token) of one trajectory for a
+    variant of METHOD.md's table. ``segments`` are the variant's own (``turn`` for
+    ``no_spr`` / ``no_both``); ``no_agr`` takes ``alpha = 0``. Shape: (m,)."""
+    m = len(admissible)
+    if variant == "ppo":
+        return outcome_turn_rewards(outcome, m)
+    if log_ratios.numel() != m or (segments and segments[-1].last != m - 1):
+        raise ValueError(f"{log_ratios.numel()} log-ratios and segments up to turn "
+                         f"{segments[-1].last + 1 if segments else 0} for {m} turns")
+    rewards = modulate(r_hat, segment_importance(log_ratios, segments)) \
+        if variant in MODULATED else r_hat.double()
+    return fused_turn_rewards(rewards, segments, admissible, 0.0 if variant == "no_agr" else alpha)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectoryRewards:
+    """Everything the rewards stage records for one trajectory (m turns, n segments).
+
+    Shapes: log_ratios, turn_importance (m,); r_hat, segment_importance, r_him (n,);
+    variants: name → (m,) per-turn rewards (on each turn's last response token).
+    """
+
+    log_ratios: torch.Tensor
+    turn_importance: torch.Tensor
+    r_hat: torch.Tensor
+    segment_importance: torch.Tensor
+    r_him: torch.Tensor
+    variants: dict[str, torch.Tensor]
+
+
+def trajectory_rewards(policy_logp: Sequence[torch.Tensor], hindsight_logp: Sequence[torch.Tensor],
+                       segment_model_r: torch.Tensor, turn_model_r: torch.Tensor | None,
+                       segments: Sequence[Segment], admissible: Sequence[bool], outcome: float,
+                       beta: float, alpha: float, variants: Sequence[Variant]) -> TrajectoryRewards:
+    """Stage 6 for one trajectory, and the fused rewards of each variant.
+
+    ``policy_logp`` / ``hindsight_logp``: m tensors (L_k,), turn k's response tokens under the
+    scored policy and under ``pi_hind``. ``segment_model_r`` (m,): the SPRM's reward of a
+    segment ending at each turn (``R_hat = r[last turn of each segment]``); ``turn_model_r``
+    (m,): the turn-level model's, needed by ``no_spr`` / ``no_both``.
+    """
+    m = len(admissible)
+    if len(policy_logp) != m or len(hindsight_logp) != m or segment_model_r.numel() != m:
+        raise ValueError(f"{len(policy_logp)} policy and {len(hindsight_logp)} hindsight turns, "
+                         f"{segment_model_r.numel()} SPRM rewards for {m} turns")
+    ratios = torch.tensor([log_ratio(h, p, beta) for h, p in
+                           zip(hindsight_logp, policy_logp, strict=True)], dtype=torch.float64)
+    last = torch.tensor([s.last for s in segments], dtype=torch.long)
+    r_hat = segment_model_r.double()[last]
+    z_seg = segment_importance(ratios, segments)
+    turns = by_turn([""] * m)
+    out: dict[str, torch.Tensor] = {}
+    for v in variants:
+        if v in TURN_LEVEL:
+            if turn_model_r is None:
+                raise ValueError(f"variant {v} needs the turn-level reward model")
+            out[v] = variant_rewards(v, turn_model_r.double(), ratios, turns, admissible, alpha,
+                                     outcome)
+        else:
+            out[v] = variant_rewards(v, r_hat, ratios, segments, admissible, alpha, outcome)
+    return TrajectoryRewards(ratios, turn_importance(ratios), r_hat, z_seg,
+                             modulate(r_hat, z_seg), out)
+
+
+POSITIONS = ("first", "middle", "last")
+
+
+def position_mass(rewards: torch.Tensor) -> torch.Tensor:
+    """Absolute reward mass of the first segment, the middle ones, and the last (the paper's
+    Fig. 4 bins). Shape: (n,) with n >= 3 → (3,)."""
+    if rewards.numel() < 3:
+        raise ValueError(f"position bins need >= 3 segments, got {rewards.numel()}")
+    a = rewards.double().abs()
+    return torch.stack([a[0], a[1:-1].sum(), a[-1]])

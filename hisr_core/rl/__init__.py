@@ -1,0 +1,1 @@
+"""Reinforcement learning: PPO/GRPO math (ppo) and the multi-turn training loop (loop)."""
