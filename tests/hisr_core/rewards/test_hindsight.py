@@ -32,8 +32,8 @@ from hisr_core.rewards.hindsight import (
 from hisr_core.train.engine import apply_lora, freeze_weights, param_groups
 from hisr_core.train.scoring import episode_of, masked_logprobs, turn_logprobs
 from hisr_core.train.sft import train_sft
-from tests.hisr_core.test_sft import HAS_DEEPSPEED, STEPS, run_worker
 from tests.hisr_core.train.sft_worker import train_hindsight
+from tests.hisr_core.train.test_sft import HAS_DEEPSPEED, STEPS, run_worker
 from tests.household_data import rollout_rows
 
 GRAMMAR = environment_class("household").command_grammar
