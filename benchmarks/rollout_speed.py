@@ -49,7 +49,7 @@ def _model_dir(arg: str | None, tmp: Path) -> tuple[Path, str]:
 
 
 def measure(model_dir: Path, batch: int, episodes: int, seed: int, threads: int,
-            dtype: str = "float32", kv_dtype: str = "auto") -> dict:
+            dtype: str = "float32", kv_dtype: str = "bfloat16") -> dict:
     import torch
 
     from hisr_core.agent.models import load_model, load_tokenizer
@@ -78,7 +78,7 @@ def measure(model_dir: Path, batch: int, episodes: int, seed: int, threads: int,
             "success": round(sum(r["won"] for r in rows) / len(rows), 3),
             "decode_kernel": gen._kernel,
             "kv_cache": str(gen._cache.dtype or model.dtype).removeprefix("torch."),
-            "packed_linear": bool(gen._linears and gen._linears.enabled), **gen.stats}
+            **gen.stats}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,9 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and compute dtype of both settings (model.dtype)")
-    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="KV cache dtype of both settings (rollout.kv_dtype; auto: bfloat16 where "
-                             "the decode kernel reads a float32 model's cache)")
+    parser.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "float32", "model"],
+                        help="KV cache dtype of both settings (rollout.kv_dtype)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="pairs (B=1, then B) measured in turn; the median ratio's is kept")
     parser.add_argument("--out", type=Path, default=None)

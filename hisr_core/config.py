@@ -461,15 +461,14 @@ class RolloutParams(Section):
     ``constrained`` decodes the action only among the listed commands, token by token by the
     policy's own distribution (the ``hf`` backend; others snap). PPO's own rollouts are free."""
 
-    kv_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """The ``hf`` backend's KV cache dtype. Decoding many episodes on a CPU is bound by reading
-    the cache: ``bfloat16`` under a float32 model halves what each step reads (household, 32
-    episodes on a 2-core CPU: ~1.35× the env steps/s, B=1 and greedy success unchanged within
-    noise; see README). Sampling then differs from the model's own dtype by rounding the cached
-    keys and values; ``float32`` keeps the model's own numbers. ``auto``: bfloat16 where the
-    compiled decode kernel reads a float32 model's cache (a CPU with AVX-512, SDPA attention),
-    the model's dtype anywhere else (:func:`hisr_core.rollout.hf.resolve_kv_dtype`).
-    A vLLM server has its own (``--kv-cache-dtype``)."""
+    kv_dtype: Literal["bfloat16", "float32", "model"] = "bfloat16"
+    """The ``hf`` backend's KV cache dtype: ``bfloat16``, ``float32``, or ``model`` (the
+    model's own dtype). An explicit value, so the same params compute the same numbers on any
+    machine: attention reads the stored keys and values in float32 arithmetic whether the
+    compiled CPU decode kernel or the SDPA fallback runs (they agree within float rounding).
+    Decoding many episodes on a CPU is bound by reading the cache, and ``bfloat16`` under a
+    float32 model halves what each step reads (docs/results.md); ``float32`` keeps a float32
+    model's own numbers. A vLLM server has its own (``--kv-cache-dtype``)."""
 
     openai: OpenAIParams = Field(default_factory=OpenAIParams)
     """Settings of the ``openai`` backend."""

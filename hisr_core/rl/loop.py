@@ -255,7 +255,7 @@ def iteration_tasks(tasks: Sequence[Task], cfg: PpoParams, iteration: int) -> li
 
 def collect(policy: nn.Module, builder: PromptBuilder, env: Environment, tasks: Sequence[Task],
             cfg: PpoParams, max_new_tokens: int, batch_size: int, iteration: int,
-            progress: bool = False, kv_dtype: str = "auto"
+            progress: bool = False, kv_dtype: str = "bfloat16"
             ) -> list[dict[str, Any]]:
     """Play ``tasks`` ``samples_per_task`` times each with the current policy (sampling seeded
     by iteration and episode, so a resumed run draws the same episodes)."""
@@ -643,7 +643,7 @@ class Inputs:
     alpha: float = 0.1
     max_new_tokens: int = 96
     batch_size: int = 32
-    kv_dtype: str = "auto"    # rollout.kv_dtype
+    kv_dtype: str = "bfloat16"    # rollout.kv_dtype
     progress: bool = False
 
 

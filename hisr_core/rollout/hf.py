@@ -3,7 +3,8 @@
 Every row of the cache is one episode's context, kept between its turns; each pass decodes one
 token for every generating row and packs new prompt tokens beside them (:class:`HFGenerator`).
 Decode tokens read their rows through the compiled CPU kernel
-(:mod:`hisr_core.rollout.cpu.decode_attention`) where it serves, through SDPA otherwise.
+(:mod:`hisr_core.rollout.cpu.decode_attention`) where it serves, through SDPA otherwise; both
+compute in the query's dtype from the cache as stored, so they agree within float rounding.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
-import itertools
-import math
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
@@ -22,7 +21,6 @@ from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 from hisr_core.agent.react import action_label_end
 from hisr_core.rollout.cpu.decode_attention import attend, supported
-from hisr_core.rollout.cpu.packed_linear import PackedLinears
 from hisr_core.rollout.engine import Generation, Sampling, Streaming, key_seed
 
 #: The attention :class:`HFGenerator` runs an SDPA model under, over its ragged KV cache (see
@@ -35,19 +33,16 @@ RAGGED_ATTENTION = "hisr_ragged_sdpa"
 class _Plan:
     """How :func:`_ragged_sdpa` reads the cache in one forward pass.
 
-    A decode pass has one token a row, rows ``0..span-1``. A packed pass is one sequence:
-    first one decode token for each cache row in ``decode``, then each prompt
-    ``(row, start, stop, mask)`` over its own row's cache.
-    Decode tokens read their rows either through the compiled kernel
-    (:mod:`hisr_core.rollout.cpu.decode_attention`), each only its own ``lengths`` columns, or through SDPA
-    over the row ranges ``chunks`` ``(start, stop, columns)`` of rows ``0..span-1`` (a packed
-    pass's tokens masked by ``decode_mask``). With the kernel, every token of a packed pass,
-    decode or prompt, reads its row ``rows`` up to its own column (``lengths``) in one call.
-    Shape: decode (n,), lengths (span,) or, packed, (n,) or with ``rows`` (N,) as rows (the
-    pass's N tokens); decode_mask (span, 1, 1, W); a prompt's mask (1, 1, stop-start, L).
+    A decode pass has one token a row, rows ``0..span-1``, read by the compiled kernel
+    (:mod:`hisr_core.rollout.cpu.decode_attention`), each row only to its own ``lengths``
+    columns. A packed pass is one sequence: with the kernel, every token, decode or prompt,
+    reads its row ``rows`` up to its own column (``lengths``) in one call; without, the
+    decode tokens of the cache rows ``decode`` read rows ``0..span-1`` through SDPA, masked by
+    ``decode_mask``, then each prompt ``(row, start, stop, mask)`` reads its own row.
+    Shape: decode (n,), lengths (span,) or, packed, (N,) with ``rows`` (N,) (the pass's N
+    tokens); decode_mask (span, 1, 1, W); a prompt's mask (1, 1, stop-start, L).
     """
 
-    chunks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     span: int = 0
     decode: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
@@ -58,39 +53,33 @@ class _Plan:
 
 _PLAN: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar("ragged_plan", default=None)
 
-#: What one more attention call per layer costs, in cache columns of one row read. A column costs
-#: ~30 ns (float32, head size 32, 2-core CPU); household at B=32 decoded fastest with 1024 of
-#: 256, 1024 and 4096.
-CHUNK_OVERHEAD = 1024
-
 
 def _ragged_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any
                  ) -> tuple[torch.Tensor, None]:
     """Transformers' SDPA attention as the forward pass's :class:`_Plan` says: a decode
-    pass's tokens through the compiled kernel or split into row ranges, each reading the cache
-    only up to its own longest row; a packed pass's decode tokens and prompts each over their
-    own row. SDPA runs in the cache's dtype (the query cast to it, the output back).
+    pass's tokens through the compiled kernel; a packed pass's decode tokens and prompts each
+    over their own row. SDPA computes in the query's dtype, reading the cache's keys and values
+    cast to it, as the kernel does: the same numbers whichever route runs.
     Shape: query [B, H, T, D], key and value [B, H_kv, S, D] → ([B, T, H, D], None); a packed
     pass: query [1, H, N, D], key and value every row's [rows, H_kv, S, D] → [1, N, H, D]."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor | None
              ) -> torch.Tensor:
+        k, v = k.to(q.dtype), v.to(q.dtype)
         if m is None:
-            return sdpa_attention_forward(module, q.to(k.dtype), k, v, m, **kwargs)[0].to(
-                q.dtype)
+            return sdpa_attention_forward(module, q, k, v, m, **kwargs)[0]
         # Grouped-query attention without copying each KV head for its query heads, as
-        # transformers does for a masked query of several tokens (a 17-token prompt over
-        # 1,000 columns on a 2-core CPU: 142 µs against 215 µs).
+        # transformers does for a masked query of several tokens.
         out = torch.nn.functional.scaled_dot_product_attention(
-            q.to(k.dtype), k, v, attn_mask=m, scale=kwargs.get("scaling"), enable_gqa=True)
-        return out.transpose(1, 2).to(q.dtype)
+            q, k, v, attn_mask=m, scale=kwargs.get("scaling"), enable_gqa=True)
+        return out.transpose(1, 2)
 
     def decode(q: torch.Tensor, rows: torch.Tensor | None, m: torch.Tensor | None
                ) -> torch.Tensor:
         """The token of each cache row in ``rows`` (None: rows ``0..n-1``; SDPA reads rows
-        ``0..span-1``, masked by ``m``). Shape: q (n, H, D) → (n, H, D)."""
+        ``0..span-1`` to the longest, masked by ``m``). Shape: q (n, H, D) → (n, H, D)."""
         if plan.lengths is not None:
             picked = torch.arange(len(q)) if rows is None else rows
             scale = kwargs.get("scaling")
@@ -99,15 +88,15 @@ def _ragged_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
         assert m is not None
         full = q if rows is None else q.new_zeros((plan.span, *q.shape[1:])).index_copy_(
             0, rows, q)
-        out = torch.cat([sdpa(full[a:b, :, None], key[a:b, :, :w], value[a:b, :, :w],
-                              m[a:b, :, :, :w]) for a, b, w in plan.chunks])[:, 0]
+        w = m.shape[-1]
+        out = sdpa(full[:, :, None], key[:plan.span, :, :w], value[:plan.span, :, :w], m)[:, 0]
         return out if rows is None else out[rows]
 
     plan = _PLAN.get()
     if plan is None or (plan.decode is None and query.shape[2] != 1):
         out = sdpa(query, key, value, attention_mask)
     elif plan.decode is None:
-        out = decode(query[:, :, 0], None, attention_mask)[:, None]
+        out = decode(query[:, :, 0], None, None)[:, None]
     else:
         if plan.rows is not None:
             return decode(query[0].transpose(0, 1), plan.rows, None)[None], None
@@ -129,40 +118,6 @@ def _register_ragged_attention() -> None:
     if RAGGED_ATTENTION not in AttentionInterface._global_mapping:
         AttentionInterface.register(RAGGED_ATTENTION, _ragged_sdpa)
         AttentionMaskInterface.register(RAGGED_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-
-
-def decode_chunks(lengths: Sequence[int], overhead: int = CHUNK_OVERHEAD,
-                  units: int = 32) -> list[tuple[int, int, int]]:
-    """Contiguous row ranges ``(start, stop, width)`` covering rows ``0..n-1`` (``width``: the
-    range's longest row) that minimise ``Σ rows × width + overhead`` per range: the cache
-    columns attention reads when each range reads only up to its own longest row.
-
-    Exact over at most ``units`` blocks of consecutive rows (dynamic programming, O(units²)).
-    Shape: lengths (n,) → ranges in row order.
-    """
-    n = len(lengths)
-    if n == 0:
-        return []
-    size = -(-n // units)
-    bounds = list(range(0, n, size)) + [n]
-    width = [max(lengths[a:b]) for a, b in itertools.pairwise(bounds)]
-    m = len(width)
-    best = [0.0] + [math.inf] * m
-    cut = [0] * (m + 1)
-    for b in range(1, m + 1):
-        w = 0
-        for a in range(b - 1, -1, -1):
-            w = max(w, width[a])
-            cost = best[a] + (bounds[b] - bounds[a]) * w + overhead
-            if cost < best[b]:
-                best[b], cut[b] = cost, a
-    out = []
-    b = m
-    while b > 0:
-        a = cut[b]
-        out.append((bounds[a], bounds[b], max(width[a:b])))
-        b = a
-    return out[::-1]
 
 
 def _read_lengths(span: int, rows: Sequence[int], ends: Sequence[int]) -> list[int]:
@@ -188,20 +143,25 @@ def _kernel_serves(model: PreTrainedModel, kv_dtype: torch.dtype) -> bool:
                 and supported(head_dim, heads // kv_heads, param.dtype, kv_dtype))
 
 
+#: ``rollout.kv_dtype`` values and the cache dtype each names (None: the model's own).
+KV_DTYPES: dict[str, torch.dtype | None] = {
+    "bfloat16": torch.bfloat16, "float32": torch.float32, "model": None}
+
+
 def resolve_kv_dtype(name: str, model: PreTrainedModel) -> torch.dtype | None:
     """``rollout.kv_dtype`` as :class:`HFGenerator` takes it for ``model`` (None: the model's
-    dtype). ``auto``: bfloat16 under a float32 model whose cache the compiled kernel reads (a
-    CPU), where decoding many rows is bound by reading the cache and half the bytes make a
-    B=32 pass ~1.35x faster (household, 2-core CPU) at no cost to B=1 or to greedy success
-    (README); the model's dtype anywhere else (a GPU, eager attention, no kernel)."""
-    if name == "auto":
-        fast = (next(model.parameters()).dtype == torch.float32
-                and _kernel_serves(model, torch.bfloat16))
-        return torch.bfloat16 if fast else None
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    if name not in table:
-        raise ValueError(f"unknown rollout.kv_dtype {name!r}; expected auto, {', '.join(table)}")
-    return table[name]
+    dtype). The value alone decides, never the machine: a cache dtype other than the model's
+    needs SDPA attention, and any other model is refused with the key to change."""
+    if name not in KV_DTYPES:
+        raise ValueError(f"unknown rollout.kv_dtype {name!r}; expected one of "
+                         f"{', '.join(KV_DTYPES)}")
+    dtype = KV_DTYPES[name]
+    attention = getattr(model.config, "_attn_implementation", "eager")
+    if dtype not in (None, next(model.parameters()).dtype) and attention != "sdpa":
+        raise ValueError(f"rollout.kv_dtype {name!r} differs from the model's dtype and needs "
+                         f"SDPA attention; this model uses {attention!r}: set rollout.kv_dtype "
+                         f"to 'model'")
+    return dtype
 
 
 class _RaggedCache(Cache):
@@ -316,15 +276,11 @@ class HFGenerator(Streaming):
     that packs the decode tokens and the prompts into one sequence (SDPA models, checked once
     against a plain forward pass; otherwise, or when no row is decoding yet, the prompts get a
     pass of their own, whose rows then decode in the same poll); a finished row returns its
-    response at once and takes the next request. Rows still held shift down
-    over freed ones in the order their keys came, so episodes' rows stay about sorted by
-    length. SDPA models' decode tokens (and a packed pass's prompt tokens) attend through the
-    compiled kernel of :mod:`hisr_core.rollout.cpu.decode_attention` (each row read only to its own
-    length) where it serves the model, else through SDPA over ranges of rows, each read only
-    as far as its longest row (:func:`decode_chunks`). On a CPU, passes of several tokens run
-    the model's float32 linear layers through packed oneDNN weights
-    (:mod:`hisr_core.rollout.cpu.packed_linear`). A key's cache stays in its
-    row between requests, so the next prompt of an episode is computed only from where it
+    response at once and takes the next request, and rows held above the freed ones move down
+    into them. SDPA models' decode tokens (and a packed pass's prompt tokens) attend through
+    the compiled kernel of :mod:`hisr_core.rollout.cpu.decode_attention` (each row read only to
+    its own length) where it serves the model, else through SDPA over the rows in use, read to
+    the longest. A key's cache stays in its row between requests, so the next prompt of an episode is computed only from where it
     stops sharing a prefix with what the row holds: a turn costs its new observation.
 
     Models the ragged cache cannot serve (checked once against a plain forward pass, e.g.
@@ -343,9 +299,9 @@ class HFGenerator(Streaming):
         seed: seed of sampling (each key draws from its own generator, so a response does not
             depend on which other requests shared its batch).
         max_rows: most requests generating at once.
-        kv_dtype: what the KV cache is stored and attention computed in (None: the model's
-            dtype). Decoding many rows on a CPU is bound by reading the cache, so bfloat16
-            under a float32 model halves what each step reads (needs SDPA attention).
+        kv_dtype: what the KV cache is stored in (None: the model's dtype); attention computes
+            in the model's dtype. Decoding many rows on a CPU is bound by reading the cache,
+            so bfloat16 under a float32 model halves what each step reads (needs SDPA).
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
@@ -379,7 +335,6 @@ class HFGenerator(Streaming):
         self._cache = _RaggedCache(max_rows, kv_dtype)
         # Decode tokens read the cache through the compiled kernel where it serves the model.
         self._kernel = _kernel_serves(model, kv_dtype or dtype)
-        self._linears = PackedLinears(model) if self.device.type == "cpu" else None
         self._ragged = self._matches_plain(packed=False)
         self._packed = self._ragged and self._own_attention and self._matches_plain(packed=True)
         #: Prompt tokens computed, and taken from a key's cache, so far.
@@ -441,30 +396,18 @@ class HFGenerator(Streaming):
         self._waiting = still
 
     def _compact(self) -> None:
-        """Shift the rows that hold a key down over the freed ones, keeping their order.
+        """Move the rows held above the first ``len(held)`` into the freed rows below them.
 
         A decode pass spans rows ``0..max(rows)``: once freed rows are no longer taken (the
         end of a collection, of each PPO iteration), scattered rows would have every pass
-        compute, and read the cache of, the empty rows between them. Keeping the order (new
-        keys are admitted after this, so they go last) keeps rows sorted by when their key
-        came, which for episodes is about by length, longest first: the decode pass's
-        attention then splits into row ranges of similar lengths (:func:`decode_chunks`).
-        A shift copies each row above a freed one once.
-
-        The compiled kernel reads each row only to its own length, so there the order does
-        not matter: waiting requests take the freed rows first (:meth:`_admit` runs before
-        this), then each row held above the first ``len(held)`` moves once into a free one
-        below (household at B=32, 96 episodes: the shifts copied ~6 GB of cache).
+        compute the empty rows between them. Waiting requests take the freed rows first
+        (:meth:`_admit` runs before this), so each held row moves at most once.
         """
         if not self._ragged:
             return
         held = [i for i, r in enumerate(self._rows) if r.key is not None]
-        if self._kernel:
-            free = [i for i in range(len(held)) if self._rows[i].key is None]
-            moves = list(zip(reversed(held[len(held) - len(free):]), free, strict=True))
-        else:
-            moves = [(src, dst) for dst, src in enumerate(held) if src != dst]
-        for src, dst in moves:
+        free = [i for i in range(len(held)) if self._rows[i].key is None]
+        for src, dst in zip(reversed(held[len(held) - len(free):]), free, strict=True):
             row = self._rows[src]
             self._cache.move(src, dst, len(row.ids))
             self._rows[dst], self._rows[src] = row, _Row()
@@ -472,12 +415,8 @@ class HFGenerator(Streaming):
 
     @torch.inference_mode()
     def poll(self) -> list[tuple[Hashable, Generation]]:
-        if self._kernel:
-            self._admit()
-            self._compact()
-        else:
-            self._compact()
-            self._admit()
+        self._admit()
+        self._compact()
         done: list[tuple[Hashable, Generation]] = []
         fill = [i for i, r in enumerate(self._rows) if r.sampling is not None and r.todo]
         step = [i for i, r in enumerate(self._rows) if r.feed is not None]
@@ -532,10 +471,9 @@ class HFGenerator(Streaming):
         picked = torch.tensor(rows, dtype=torch.long, device=self.device)
         self._cache.plan(None if dense else picked, write.to(self.device), width)
         plan = None
-        if dense and self._own_attention:
+        if dense and self._kernel:
             seen = _read_lengths(b, rows, [s + len(f) for s, f in zip(starts, feeds, strict=True)])
-            plan = (_Plan(span=b, lengths=torch.tensor(seen)) if self._kernel
-                    else _Plan(decode_chunks(seen), b))
+            plan = _Plan(span=b, lengths=torch.tensor(seen))
         logits = self._call(ids, pos, self._mask(mask), self._cache, plan)
         return logits.index_select(0, picked) if dense else logits
 
@@ -559,9 +497,7 @@ class HFGenerator(Streaming):
         span, decode = max(step) + 1, torch.tensor(step, device=self.device)
         if self._kernel:
             # Each token, decode or prompt, reads its own row up to itself (column ``pos``),
-            # all in one kernel call: a prompt's tokens re-read its row from the CPU's caches
-            # (household at B=32, 2-core CPU: attention 3.0-3.2 ms a pass, against 3.6-3.8 ms
-            # with each prompt through SDPA and a mask).
+            # all in one kernel call: a prompt's tokens re-read its row from the CPU's caches.
             plan = _Plan(span=span, decode=decode, rows=owner, lengths=pos[0] + 1)
         else:
             prompts = []
@@ -571,8 +507,7 @@ class HFGenerator(Streaming):
                 prompts.append((i, stop + 1 - len(f), stop + 1, mask[None, None].to(self.device)))
             seen = _read_lengths(span, step, [s + 1 for s in starts[:len(step)]])
             decode_mask = torch.arange(max(seen))[None, :] < torch.tensor(seen)[:, None]
-            plan = _Plan(decode_chunks(seen), span, decode,
-                         decode_mask[:, None, None].to(self.device), prompts)
+            plan = _Plan(span, decode, decode_mask[:, None, None].to(self.device), prompts)
         self._cache.plan(owner, pos.to(self.device), width, packed=True)
         keep = torch.tensor(last)
         # The model's own mask handling takes a 4-D mask as given; attention reads the plan.
@@ -596,8 +531,7 @@ class HFGenerator(Streaming):
         keep_arg = self._keep_arg
         if keep is not None and keep_arg:
             keep_arg = {"logits_to_keep": keep.to(self.device)}
-        with self._attention(plan), \
-                self._linears.active() if self._linears else contextlib.nullcontext():
+        with self._attention(plan):
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask,
                              position_ids=pos.to(self.device), use_cache=cache is not None,
                              **({self._cache_arg: cache} if cache is not None else {}),

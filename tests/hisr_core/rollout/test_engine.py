@@ -17,7 +17,7 @@ from hisr_core.envs import make_environment
 from hisr_core.rollout import hf
 from hisr_core.rollout.cpu import decode_attention
 from hisr_core.rollout.engine import Sampling, play, snap_action, success_table
-from hisr_core.rollout.hf import HFGenerator, decode_chunks
+from hisr_core.rollout.hf import HFGenerator
 from tests.scripted import ScriptedBackend
 
 
@@ -153,9 +153,6 @@ def test_batched_greedy_equals_one_at_a_time(tokenizer, attention):
     batched = gen.generate(prompts, s)
     single = [gen.generate([p], s)[0] for p in prompts]
     assert [g.token_ids for g in batched] == [g.token_ids for g in single]
-    # Multi-token passes ran the linear layers packed (where this torch has oneDNN's).
-    assert gen._linears is not None
-    assert bool(gen._linears._packed) == gen._linears.enabled
     for g in batched:
         assert g.entropy >= 0 and len(g.token_ids) <= 12
     # The same as transformers' own greedy decoding of one prompt.
@@ -200,8 +197,8 @@ def test_rows_run_continuously_and_answer_when_done(tokenizer, attention):
 
 def test_rows_left_move_down_into_freed_ones(tokenizer, attention):
     """Once the low rows are released, the rows still held move into them (a decode pass
-    spans rows 0..max): in order under SDPA, the top ones into the gaps with the kernel; their
-    responses, and the cache a session reuses, stay their own."""
+    spans rows 0..max), the top ones into the gaps; their responses, and the cache a session
+    reuses, stay their own."""
     model = peaky_model(tokenizer, seed=7, hidden=ATTENTION[attention])
     eos = tokenizer.eos_token_id
     prompts = [tokenizer(t)["input_ids"] for t in
@@ -224,7 +221,7 @@ def test_rows_left_move_down_into_freed_ones(tokenizer, attention):
     while len(got) < 4:
         got.update(gen.poll())
     assert set(spans) == {2} and uses_kernel(gen, attention)
-    assert gen._where == ({2: 0, 3: 1} if attention == "sdpa" else {3: 0, 2: 1})
+    assert gen._where == {3: 0, 2: 1}
     alone = HFGenerator(model, tokenizer, stop_ids=[eos], max_rows=1)
     for i in (2, 3):
         assert got[i].token_ids == alone.generate(
@@ -238,18 +235,16 @@ def test_rows_left_move_down_into_freed_ones(tokenizer, attention):
     assert cached.token_ids == alone.generate([more], s)[0].token_ids
 
 
-def test_with_the_kernel_a_waiting_request_takes_a_freed_row_and_nothing_moves(tokenizer):
-    """The kernel reads each row only to its own length, so a new request fills the gap a
-    released key left, instead of the rows above shifting down (a copy of their caches)."""
-    if decode_attention.kernel() is None:
-        pytest.skip("the decode-attention kernel cannot be built here")
-    model = peaky_model(tokenizer, seed=7, hidden=ATTENTION["kernel"])
+def test_a_waiting_request_takes_a_freed_row_and_nothing_moves(tokenizer, attention):
+    """A new request fills the gap a released key left, instead of the rows above shifting
+    down (a copy of their caches)."""
+    model = peaky_model(tokenizer, seed=7, hidden=ATTENTION[attention])
     eos = tokenizer.eos_token_id
     prompts = [tokenizer(t)["input_ids"] for t in
                ["You arrive at cabinet 1.", "Nothing happens.", "You open the fridge 1.",
                 "On the countertop 1, you see a mug 1."]]
     gen = HFGenerator(model, tokenizer, stop_ids=[eos], max_rows=3)
-    assert gen._kernel
+    assert uses_kernel(gen, attention)
     for i, n in enumerate([1, 12, 12]):
         gen.submit(i, prompts[i], Sampling(temperature=0.0, max_new_tokens=n))
     got = dict(gen.poll())
@@ -268,42 +263,17 @@ def test_with_the_kernel_a_waiting_request_takes_a_freed_row_and_nothing_moves(t
         assert got[i].token_ids == alone.generate([prompts[i]], s)[0].token_ids
 
 
-def test_decode_chunks_split_rows_where_lengths_drop():
-    # One range when a split saves less than a call costs; else ranges of similar lengths.
-    assert decode_chunks([900, 850, 800], overhead=1024) == [(0, 3, 900)]
-    assert decode_chunks([1800, 1700, 400, 350, 300], overhead=500) == [(0, 2, 1800),
-                                                                        (2, 5, 400)]
-    assert decode_chunks([5, 9, 7], overhead=0) == [(0, 1, 5), (1, 2, 9), (2, 3, 7)]
-    assert decode_chunks([]) == []
-    # Many rows: ranges start on blocks of rows, and cover every row once.
-    lengths = [2000 - 20 * i for i in range(100)]
-    chunks = decode_chunks(lengths, overhead=1000, units=10)
-    assert [a for a, _, _ in chunks] == sorted({a for a, _, _ in chunks})
-    assert all(a % 10 == 0 and w == max(lengths[a:b]) for a, b, w in chunks)
-    assert chunks[0][0] == 0 and chunks[-1][1] == 100 and len(chunks) > 1
-    assert all(b == a2 for (_, b, _), (a2, _, _) in itertools.pairwise(chunks))
-
-
-def test_decode_attention_split_by_row_lengths_gives_the_same_tokens(tokenizer, monkeypatch):
-    """A decode pass over rows of very different lengths, its attention split into ranges
-    each read only to its own longest row, answers as each prompt alone."""
-    seen = []
-
-    def every_row(lengths, overhead=0, units=32):
-        seen.append(chunks := decode_chunks(lengths, 0, units))
-        return chunks
-
-    monkeypatch.setattr(hf, "decode_chunks", every_row)
-    model = peaky_model(tokenizer, seed=8)
+def test_rows_of_very_different_lengths_answer_as_each_alone(tokenizer, attention):
+    """A decode pass over rows of very different lengths answers as each prompt alone."""
+    model = peaky_model(tokenizer, seed=8, hidden=ATTENTION[attention])
     texts = [("You are in the middle of a room. Looking quickly around you, you see a "
               "cabinet 1, a drawer 1, a countertop 1, a fridge 1 and a sinkbasin 1."),
              "Nothing happens.", "On the countertop 1, you see a mug 1 and a knife 2.", "OK."]
     prompts = [tokenizer(t)["input_ids"] for t in texts]
     s = Sampling(temperature=0.0, max_new_tokens=10)
     gen = HFGenerator(model, tokenizer, [tokenizer.eos_token_id])
-    seen.clear()
     got = gen.generate(prompts, s)
-    assert gen._ragged and max(len(c) for c in seen) > 1
+    assert gen._ragged and uses_kernel(gen, attention)
     alone = HFGenerator(model, tokenizer, [tokenizer.eos_token_id], max_rows=1)
     for p, g in zip(prompts, got, strict=True):
         assert g.token_ids == alone.generate([p], s)[0].token_ids
@@ -352,23 +322,53 @@ def test_a_kv_dtype_of_its_own_needs_sdpa(tokenizer):
     HFGenerator(model, tokenizer, [tokenizer.eos_token_id], kv_dtype=torch.float32)
 
 
-def test_auto_kv_dtype_is_bfloat16_only_where_the_kernel_reads_a_float32_cache(tokenizer,
-                                                                              attention):
+def test_kv_dtype_is_what_the_params_say_on_any_machine(tokenizer, attention):
+    """The cache dtype follows the value alone, whether or not the kernel serves the model."""
     model = peaky_model(tokenizer, hidden=ATTENTION[attention])
-    auto = hf.resolve_kv_dtype("auto", model)
-    # Head size 8 is not the kernel's: SDPA reads the cache, which stays the model's.
-    assert auto == (torch.bfloat16 if attention == "kernel" else None)
-    gen = HFGenerator(model, tokenizer, [tokenizer.eos_token_id], kv_dtype=auto)
-    assert uses_kernel(gen, attention)
-    assert hf.resolve_kv_dtype("float32", model) == torch.float32
     assert hf.resolve_kv_dtype("bfloat16", model) == torch.bfloat16
+    assert hf.resolve_kv_dtype("float32", model) == torch.float32
+    assert hf.resolve_kv_dtype("model", model) is None
+    gen = HFGenerator(model, tokenizer, [tokenizer.eos_token_id],
+                      kv_dtype=hf.resolve_kv_dtype("bfloat16", model))
+    assert uses_kernel(gen, attention)
     model.config._attn_implementation = "eager"
-    assert hf.resolve_kv_dtype("auto", model) is None
-    model.config._attn_implementation = "sdpa"
-    assert hf.resolve_kv_dtype("auto", model.to(torch.bfloat16)) is None
-    with pytest.raises(ValueError, match="unknown rollout.kv_dtype 'fp8'; expected auto, "
-                                         "float32, bfloat16"):
-        hf.resolve_kv_dtype("fp8", model)
+    assert hf.resolve_kv_dtype("float32", model) == torch.float32   # the model's own: no cast
+    with pytest.raises(ValueError, match="rollout.kv_dtype 'bfloat16' differs from the model's "
+                                         "dtype and needs SDPA attention; this model uses "
+                                         "'eager': set rollout.kv_dtype to 'model'"):
+        hf.resolve_kv_dtype("bfloat16", model)
+    with pytest.raises(ValueError, match="unknown rollout.kv_dtype 'auto'; expected one of "
+                                         "bfloat16, float32, model"):
+        hf.resolve_kv_dtype("auto", model)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+def test_the_sdpa_fallback_gives_the_kernels_numbers(tokenizer, monkeypatch, kv_dtype):
+    """A machine without the kernel (``HISR_DECODE_KERNEL=0``) computes what the kernel does:
+    both read the stored cache in float32 arithmetic, so logits agree to float rounding and the
+    same seed samples the same tokens (entropies: the logits), packed passes and
+    compaction included."""
+    if decode_attention.kernel() is None:
+        pytest.skip("the decode-attention kernel cannot be built here")
+    model = peaky_model(tokenizer, seed=3, hidden=ATTENTION["kernel"])
+    texts = ["You arrive at cabinet 1.", "You are in the middle of a room. Looking around",
+             "On the countertop 1, you see a apple 2, a knife 1.", "Nothing happens.",
+             "You open the fridge 1. The fridge 1 is open. In it, you see a egg 1."]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+
+    def run() -> tuple[HFGenerator, list]:
+        gen = HFGenerator(model, tokenizer, [tokenizer.eos_token_id], seed=5, max_rows=3,
+                          kv_dtype=kv_dtype)
+        out = gen.generate(prompts, Sampling(temperature=1.0, max_new_tokens=12),
+                           sessions=list(range(len(prompts))))
+        return gen, out
+
+    with_kernel, want = run()
+    monkeypatch.setenv(decode_attention.SWITCH, "0")
+    without, got = run()
+    assert with_kernel._kernel and not without._kernel and without._packed
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]
+    assert [g.entropy for g in got] == pytest.approx([g.entropy for g in want], rel=1e-4)
 
 
 def test_a_model_the_ragged_cache_cannot_serve_runs_without_it(tokenizer):
