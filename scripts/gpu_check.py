@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import platform
 import resource
 import shutil
 import subprocess
@@ -138,19 +136,13 @@ def probe(mode: str, vllm_python: str | None) -> dict[str, Any]:
 
     from hisr_core.train.engine import resolve_backend, resolve_dtype
 
-    try:
-        import deepspeed
-        ds_version: str | None = deepspeed.__version__
-    except ImportError:
-        ds_version = None
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _emit import provenance  # the benchmarks' record of commit, machine and versions
+
     facts: dict[str, Any] = {
-        "python": platform.python_version(), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "deepspeed": ds_version, "vllm": None,
-        "cuda_available": torch.cuda.is_available(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        **provenance(), "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
         "gpu_memory_mib": (torch.cuda.get_device_properties(0).total_memory // 2**20
                            if torch.cuda.is_available() else None),
-        "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
         "auto_dtype": str(resolve_dtype("auto")).removeprefix("torch."),
         "auto_backend": resolve_backend("auto"),
     }
@@ -325,10 +317,11 @@ def summary(out: Path, mode: str, rc: int, current: str | None) -> dict[str, Any
     vllm = by_name.get("collect_vllm", {}).get("rates", {}).get("collect.speed.tokens_per_s")
     result = {
         "ok": rc == 0 and failed is None, "failed_step": failed, "mode": mode,
-        "commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain")),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "gpu": facts.get("gpu"), "versions": {k: facts.get(k) for k in
-                                             ("python", "torch", "cuda", "deepspeed", "vllm")},
+        # The commit as the probe found it (dirty: uncommitted changes to tracked files).
+        "commit": facts.get("commit") or _git("rev-parse", "HEAD"), "dirty": facts.get("dirty"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "gpu": facts.get("gpu"),
+        "versions": {k: facts.get(k) for k in
+                     ("python", "torch", "cuda", "transformers", "deepspeed", "vllm")},
         "machine": facts,
         "wall_s": round(sum(s.get("wall_s", 0.0) for s in steps), 2),
         "collect_tokens_per_s": {"hf": hf, "vllm": vllm,

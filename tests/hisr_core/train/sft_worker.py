@@ -148,14 +148,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=12)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--save", type=Path)
+    parser.add_argument("--lora", action="store_true",
+                        help="train rank-4 adapters on q_proj and v_proj (saved merged)")
     parser.add_argument("--hindsight", action="store_true",
                         help="train pi_hind with frozen weights instead (train_hindsight)")
     args = parser.parse_args(argv)
     if args.hindsight:
         result = train_hindsight(args.model, args.backend, args.micro, args.steps)
     else:
+        from hisr_core.config import LoraParams
+
         params = sft_params(args.backend, args.micro, args.steps, zero_stage=args.zero_stage)
-        result = train(args.model, params, args.rows, save=args.save)
+        lora = LoraParams(enabled=True, r=4, alpha=8, dropout=0.0,
+                          target_modules=["q_proj", "v_proj"]) if args.lora else None
+        result = train(args.model, params, args.rows, save=args.save, lora=lora)
     from hisr_core.train.engine import init_distributed
 
     if init_distributed().is_main:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import itertools
 import math
 import sys
@@ -63,6 +64,44 @@ def test_resolve_dtype(monkeypatch):
     assert resolve_dtype(torch.float32) == torch.float32
     with pytest.raises(ValueError, match="float16"):
         resolve_dtype("float16")
+
+
+def test_auto_dtype_is_bfloat16_on_a_gpu_that_has_it(monkeypatch):
+    """The GPU path of ``model.dtype: auto``: bfloat16 where CUDA supports it, float32 on an
+    older GPU (no bfloat16) as on a CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_dtype("auto") == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_dtype("auto") == torch.float32
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="DeepSpeed is not installed (extra gpu)")
+def test_auto_backend_on_a_gpu_is_deepspeed(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_backend("auto") == "deepspeed"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="DeepSpeed is not installed (extra gpu)")
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_deepspeed_reads_the_config_as_built(stage, dtype):
+    """The config the engine gives DeepSpeed on a GPU (ZeRO-2/3, bfloat16), parsed by
+    DeepSpeed's own reader: the stage, bf16 on exactly for a bfloat16 model (never fp16 with
+    its loss scaling), the batch sizes and clipping."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    spec = training.OptimSpec(lr=1e-3, weight_decay=0.0, warmup_ratio=0.0, min_lr_ratio=1.0,
+                              max_grad_norm=0.5, grad_accum=4, micro_batch_size=8,
+                              total_steps=10, zero_stage=stage)
+    config = DeepSpeedConfig(training.deepspeed_config(spec, dtype, 1))
+    assert config.zero_enabled and config.zero_optimization_stage == stage
+    assert config.bfloat16_config.enabled == (dtype == torch.bfloat16)
+    assert not config.float16_config.enabled
+    assert (config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps,
+            config.train_batch_size, config.gradient_clipping) == (8, 4, 32, 0.5)
 
 
 def test_single_process_needs_no_process_group(monkeypatch):

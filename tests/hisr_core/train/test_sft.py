@@ -258,6 +258,27 @@ def test_sft_deepspeed_smoke_matches_torch(reference, tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (extra gpu)")
+def test_zero3_with_lora_matches_torch_and_saves_the_merged_model(tiny_dir, tmp_path):
+    """ZeRO-3 (parameters partitioned, gathered to save) with LoRA adapters, the GPU check's
+    sft_lora step on one CPU process: the curve of plain torch with the same adapters, and a
+    saved plain model in which exactly the adapted projections moved, as torch's did."""
+    lora = ("--lora",)
+    reference = run_worker(tmp_path, tiny_dir, "torch", 2 * MICRO, 1, save=tmp_path / "torch",
+                           extra=lora)
+    result = run_worker(tmp_path, tiny_dir, "deepspeed", 2 * MICRO, 1, save=tmp_path / "zero3",
+                        extra=(*lora, "--zero-stage", "3"))
+    assert result["summary"]["backend"] == "deepspeed"
+    assert_same_curve(result, reference)
+    moved, _ = changed_parameters(tiny_dir, tmp_path / "zero3")
+    assert moved == changed_parameters(tiny_dir, tmp_path / "torch")[0]
+    assert moved and all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in moved)
+    ours = dict(load_model(tmp_path / "zero3").named_parameters())
+    for name, p in load_model(tmp_path / "torch").named_parameters():
+        torch.testing.assert_close(ours[name], p, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [
     "torch",
     pytest.param("deepspeed", marks=pytest.mark.skipif(not HAS_DEEPSPEED,
