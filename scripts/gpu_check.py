@@ -146,18 +146,18 @@ def probe(mode: str, vllm_python: str | None) -> dict[str, Any]:
         "auto_dtype": str(resolve_dtype("auto")).removeprefix("torch."),
         "auto_backend": resolve_backend("auto"),
     }
-    if vllm_python:
-        got = subprocess.run([vllm_python, "-c", "import vllm; print(vllm.__version__)"],
-                             capture_output=True, text=True, check=False)
-        if got.returncode != 0:
-            raise SystemExit(f"error: vLLM does not import in {vllm_python}:\n{got.stderr[-2000:]}")
-        facts["vllm"] = got.stdout.strip().splitlines()[-1]
     if mode == "gpu":
         wrong = {k: facts[k] for k, want in (("cuda_available", True), ("auto_dtype", "bfloat16"),
                                               ("auto_backend", "deepspeed")) if facts[k] != want}
         if wrong:
             raise SystemExit(f"error: not the GPU paths this check is for: {wrong} (want CUDA, "
                              "auto dtype bfloat16, auto backend deepspeed; --dry-run on a CPU)")
+    if vllm_python:
+        got = subprocess.run([vllm_python, "-c", "import vllm; print(vllm.__version__)"],
+                             capture_output=True, text=True, check=False)
+        if got.returncode != 0:
+            raise SystemExit(f"error: vLLM does not import in {vllm_python}:\n{got.stderr[-2000:]}")
+        facts["vllm"] = got.stdout.strip().splitlines()[-1]
     return facts
 
 

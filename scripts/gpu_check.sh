@@ -89,7 +89,10 @@ start_server() {  # LOG CMD... ; sets SERVER_PID
 }
 
 stop_server() {  # PID: SIGTERM to its group, SIGKILL after 30 s
-  local pid=$1 i
+  local pid=$1 i kept=()
+  # Off the list first: a group id can be reused once it is gone.
+  for i in "${SERVERS[@]}"; do [ "$i" = "$pid" ] || kept+=("$i"); done
+  SERVERS=("${kept[@]}")
   kill -TERM -- "-$pid" 2>/dev/null || return 0
   for i in $(seq 60); do
     kill -0 -- "-$pid" 2>/dev/null || return 0
