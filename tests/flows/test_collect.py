@@ -38,7 +38,7 @@ def setup(tmp_path_factory, run_module, mlflow_uri):
     seqs = encode_trajectories(contracts.read_rows(d_bc, "expert_trajectories"),
                                PromptBuilder(tokenizer, None, 1024),
                                environment_class("household").command_grammar)
-    train_sft(model, tokenizer, seqs, SftParams(max_steps=30, micro_batch_size=8,
+    train_sft(model, tokenizer, seqs, SftParams(epochs=2.0, max_steps=30, micro_batch_size=8,
                                                 backend="torch"), "float32", progress=False,
               out_dir=tmp / "pi_ref")
     return tmp

@@ -11,7 +11,7 @@ import pytest
 from hisr_core import contracts
 from hisr_core.segment.segmenter import Segment, validate
 from tests.chat_server import ChatServer
-from tests.hisr_core.test_segment import good_answer
+from tests.hisr_core.segment.test_segmenter import good_answer
 from tests.household_data import write_d_ct
 
 SECRET = "sk-test-9f8e7d6c5b4a-do-not-log"
