@@ -299,8 +299,8 @@ TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 
 class SamplingParams(Section):
     """How a stage samples the policy's responses: the fields ``evaluate``, ``collect`` and
-    ``ppo`` share (at the top of each section: ``params.yaml`` keeps one flat section per
-    stage). The longest response is ``rollout.max_new_tokens``, the same for every stage."""
+    ``ppo`` share, written directly in each of those sections (``params.yaml`` keeps one flat
+    section per stage). The longest response is ``rollout.max_new_tokens``, for every stage."""
 
     temperature: Temperature = 1.0
     """Sampling temperature (the paper's collection: 1.0); 0 decodes greedily."""
