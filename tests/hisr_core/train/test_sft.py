@@ -28,7 +28,7 @@ from hisr_core.train.sft import IGNORE, ResponseNLL, collate, encode_trajectorie
 from tests.hf_fixtures import save_tiny_qwen
 from tests.hisr_core.train.sft_worker import GRAMMAR, corpus, make_rows, sft_params, train
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("sft_worker.py")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 N_ROWS, STEPS, MICRO = 12, 4, 2  # 12 sequences, global micro-batch 4, 2 per window: a short
