@@ -418,7 +418,7 @@ class PpoParams(SamplingParams):
         # The policy gradient needs rollouts drawn from the policy's distribution; greedy
         # responses (0) are not, and every rollout of a task would be the same.
         if v <= 0:
-            raise ValueError(f"must be > 0: PPO learns from sampled rollouts (got {v})")
+            raise ValueError("must be > 0: PPO learns from sampled rollouts")
         return v
 
 
@@ -746,36 +746,34 @@ def _read_yaml(path: Path) -> Any:
         raise ParamsError(f"{path}: not valid YAML: {err}") from None
 
 
-def resolve_params(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """The raw mapping of a params file, with its ``base:`` chain merged under it (each base
-    relative to the folder of the file that names it); raises :class:`ParamsError`."""
-    path = Path(path)
+def _resolve(path: Path, seen: tuple[Path, ...] = ()) -> tuple[Any, tuple[Path, ...]]:
+    """The raw mapping of a params file with its ``base:`` chain merged under it (each base
+    relative to the folder of the file that names it), and the files of that chain."""
     data = _read_yaml(path)
-    if not isinstance(data, dict):
-        return data  # parse_params names the file and what it holds instead
-    if BASE_KEY not in data:
-        return data
+    if not isinstance(data, dict) or BASE_KEY not in data:
+        return data, (path,)  # not a mapping: parse_params names the file and what it holds
     data = dict(data)
     base = data.pop(BASE_KEY)
     if not isinstance(base, str) or not base:
         raise ParamsError(f"{path}: {BASE_KEY} must be the path of the params file this one "
                           f"changes, relative to {path.parent} (got {base!r})")
     base_path = path.parent / base
-    if base_path.resolve() in (*_seen, path.resolve()):
+    if base_path.resolve() in (*seen, path.resolve()):
         raise ParamsError(f"{path}: {BASE_KEY} {base!r} leads back to a file of its own chain")
     try:
-        under = resolve_params(base_path, (*_seen, path.resolve()))
+        under, chain = _resolve(base_path, (*seen, path.resolve()))
     except ParamsError as err:
         raise ParamsError(f"{path}: its {BASE_KEY} {base!r}: {err}") from None
     if not isinstance(under, dict):
         raise ParamsError(f"{path}: its {BASE_KEY} {base_path} holds no mapping of sections")
-    return merge_params(under, data)
+    return merge_params(under, data), (path, *chain)
 
 
 def load_params(path: str | Path) -> Params:
     """Read and validate a params file (``params.yaml``, or a profile over it); raises
-    :class:`ParamsError` naming what is wrong."""
-    return parse_params(resolve_params(path), str(path))
+    :class:`ParamsError` naming what is wrong (and, for a profile, the files it merged)."""
+    data, chain = _resolve(Path(path))
+    return parse_params(data, " over ".join(map(str, chain)))
 
 
 def section_dict(section: BaseModel) -> dict[str, Any]:

@@ -174,7 +174,8 @@ def test_overlay_chain_and_its_errors_name_the_files(tmp_path):
     p = load_params(top)
     assert (p.env.max_turns, p.expert.n_train, p.expert.seed) == (12, 5, 3)
 
-    with pytest.raises(ParamsError, match=r"(?s)top\.yaml: .*unknown key 'expert\.sed'"):
+    with pytest.raises(ParamsError, match=r"(?s)top\.yaml over .*mid\.yaml over .*params\.yaml: "
+                                          r"invalid parameters:.*unknown key 'expert\.sed'"):
         load_params(_write(tmp_path / "top.yaml", {BASE_KEY: "mid.yaml", "expert": {"sed": 3}}))
     gone = _write(tmp_path / "gone.yaml", {BASE_KEY: "nope.yaml"})
     with pytest.raises(ParamsError, match=r"gone\.yaml: its base 'nope\.yaml': .*nope\.yaml: "
