@@ -667,15 +667,22 @@ class Params(Section):
         return self
 
 
+def _nested_model(model: type[BaseModel], key: str | int) -> type[BaseModel] | None:
+    """The model of field ``key`` of ``model`` if it is a block of settings, else ``None``."""
+    field = model.model_fields.get(key) if isinstance(key, str) else None
+    annotation = getattr(field, "annotation", None)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
 def _allowed_keys(model: type[BaseModel], loc: tuple[str | int, ...]) -> list[str]:
     """Field names valid at ``loc`` (the location of an unknown key's parent)."""
-    current: Any = model
+    current: type[BaseModel] | None = model
     for part in loc:
-        field = current.model_fields.get(part) if isinstance(part, str) else None
-        annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        current = _nested_model(current, part)
+        if current is None:
             return []
-        current = annotation
     return list(current.model_fields)
 
 
@@ -708,15 +715,6 @@ def parse_params(data: Any, source: str = "params") -> Params:
 
 #: The top-level key of an overlay that names the file it changes.
 BASE_KEY = "base"
-
-
-def _nested_model(model: type[BaseModel], key: str) -> type[BaseModel] | None:
-    """The model of field ``key`` of ``model`` if it is a block of settings, else ``None``."""
-    field = model.model_fields.get(key)
-    annotation = getattr(field, "annotation", None)
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    return None
 
 
 def merge_params(base: dict[str, Any], overlay: dict[str, Any],
