@@ -133,7 +133,7 @@ def run_module(prefect_api):
 @pytest.fixture
 def write_params(tmp_path, mlflow_uri, experiment):
     """Write a params file: an overlay of the project's params.yaml with a few expert tasks,
-    the session's MLflow store, and ``overrides`` merged over those."""
+    the MLflow store of the test run, and ``overrides`` merged over those."""
 
     def write(overrides: dict | None = None) -> Path:
         small = {"expert": {"n_train": 24, "n_valid_seen": 12, "n_valid_unseen": 12},
