@@ -4,13 +4,18 @@ Every flow calls :func:`load_params` before doing any work. Unknown keys, wrong 
 out-of-range values raise :class:`ParamsError` with one message that names each offending key
 (and, for an unknown key, the nearest valid one), so a typo never silently falls back to a
 default.
+
+The models' defaults are ``params.yaml``'s values (a test keeps them equal), so a params file
+that leaves a key out gets the pipeline's value. A profile (``profiles/*.yaml``) is an overlay:
+its top-level ``base:`` names the file it changes, relative to the profile's own folder
+(``base: ../params.yaml``), and it lists only the keys it changes (:func:`merge_params`).
 """
 
 from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -123,12 +128,13 @@ class ModelParams(Section):
 
 
 class FitParams(Section):
-    """The optimisation loop shared by every stage that fits a model (sft, sprm, hindsight)."""
+    """The optimisation loop shared by every stage that fits a model (sft, sprm, hindsight).
+    Its defaults are ``sft``'s; ``sprm`` and ``hindsight`` override those they change."""
 
     seed: int = Field(0, ge=0)
     """Seed of model creation, data order and dropout."""
 
-    epochs: float = Field(2.0, gt=0)
+    epochs: float = Field(5.0, gt=0)
     """Passes over the training examples (fractions allowed)."""
 
     max_steps: int | None = Field(None, ge=1)
@@ -179,7 +185,7 @@ class SprmParams(FitParams):
     """The ``sprm`` stage: the segment-level process reward model, fitted on ``D_st`` with the
     loss ``(R - sum_i r_i)^2`` per trajectory (METHOD.md stage 4)."""
 
-    epochs: float = Field(4.0, gt=0)
+    epochs: float = Field(6.0, gt=0)
     """Passes over the training trajectories (fractions allowed)."""
 
     lr: float = Field(5e-4, gt=0, le=1.0)
@@ -205,12 +211,16 @@ class HindsightParams(FitParams):
     """The ``hindsight`` stage: ``pi_hind`` recovers a masked response from the whole trajectory
     and its outcome (METHOD.md stage 5); one example per turn of ``D_ct``."""
 
-    epochs: float = Field(0.5, gt=0)
+    epochs: float = Field(1.5, gt=0)
     """Passes over the examples (one per turn; fractions allowed)."""
 
-    lr: float = Field(1e-3, ge=0, le=1.0)
-    """Peak learning rate of AdamW for the weights (0: they stay ``pi_ref``'s; the gates and
-    the block readers train at their own rates either way)."""
+    lr: float = Field(0.0, ge=0, le=1.0)
+    """Peak learning rate of AdamW for the weights (0: they stay ``pi_ref``'s; the gates, the
+    block readers and the copy head train at their own rates either way)."""
+
+    grad_accum: int = Field(4, ge=1)
+    """Micro-batches per optimizer step (the block's signal is small next to the sampling
+    noise of a few examples, so a step averages more of them than the other stages do)."""
 
     past: int | None = Field(None, ge=0)
     """Turns kept before the masked one (``null``: all the policy's prompt kept)."""
@@ -225,15 +235,16 @@ class HindsightParams(FitParams):
     """Positions the hindsight block is read at: ``system`` where it sits (after the system
     text), ``turn`` just before the masked turn's observation (the recent context)."""
 
-    gate_init: float = Field(-4.0, le=0.0)
+    gate_init: float = Field(-30.0, le=0.0)
     """Initial gate on the attention logits of the hindsight block's tokens, every layer and
-    head (``-inf`` would be exactly ``pi_ref``; the more negative, the slower it opens)."""
+    head (``-30``: closed, ``pi_ref`` to float precision; the more negative, the slower it
+    opens)."""
 
-    gate_lr: float = Field(0.1, ge=0.0)
+    gate_lr: float = Field(0.0, ge=0.0)
     """Peak learning rate of the gates (the weights use ``lr``; 0: they stay at
     ``gate_init``)."""
 
-    reader_rank: int = Field(32, ge=0)
+    reader_rank: int = Field(0, ge=0)
     """Rank of the block reader every layer adds to the block tokens' hidden states (0: none)."""
 
     reader_lr: float = Field(1e-3, gt=0.0)
@@ -281,8 +292,25 @@ class RewardsParams(Section):
 
 Variant = Literal["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo", "grpo", "rft"]
 
+#: The bounds of the sampling fields, defined once for every section that samples.
+Temperature = Annotated[float, Field(ge=0.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 
-class PpoParams(Section):
+
+class SamplingParams(Section):
+    """How a stage samples the policy's responses: the fields ``evaluate``, ``collect`` and
+    ``ppo`` share, written directly in each of those sections (``params.yaml`` keeps one flat
+    section per stage). The longest response is ``rollout.max_new_tokens``, for every stage."""
+
+    temperature: Temperature = 1.0
+    """Sampling temperature (the paper's collection: 1.0); 0 decodes greedily."""
+
+    top_p: TopP = 1.0
+    """Nucleus sampling: draw from the smallest set of tokens whose probability reaches
+    ``top_p`` (1: the whole distribution; unused when greedy)."""
+
+
+class PpoParams(SamplingParams):
     """The ``ppo`` stage (METHOD.md stage 7): multi-turn PPO from ``pi_ref`` with a critic, for
     each variant of METHOD.md's table and the baselines. ``rewards.beta`` / ``rewards.alpha``
     shape the rewards; one iteration is collect → segment → score → fuse → advantages →
@@ -305,12 +333,6 @@ class PpoParams(Section):
 
     samples_per_task: int = Field(2, ge=1)
     """Rollouts per task (the group of ``grpo``, which needs >= 2)."""
-
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature of the rollouts."""
-
-    top_p: float = Field(1.0, gt=0, le=1.0)
-    """Nucleus sampling of the rollouts."""
 
     ppo_epochs: int = Field(2, ge=1)
     """Passes over each iteration's data."""
@@ -389,6 +411,16 @@ class PpoParams(Section):
 
     lora: LoraParams = Field(default_factory=LoraParams)
     """LoRA adapters on the policy instead of full fine-tuning."""
+
+    @field_validator("temperature")
+    @classmethod
+    def _sampled(cls, v: float) -> float:
+        # The policy gradient needs rollouts drawn from the policy's distribution; greedy
+        # responses (0) are not, and every rollout of a task would be the same.
+        if v <= 0:
+            raise ValueError("must be > 0: PPO learns from sampled rollouts")
+        return v
+
 
 class SweepParams(Section):
     """Which PPO runs the pipeline trains, evaluates and reports: every variant with every
@@ -474,8 +506,12 @@ class RolloutParams(Section):
     """Settings of the ``openai`` backend."""
 
 
-class EvaluateParams(Section):
+class EvaluateParams(SamplingParams):
     """The ``evaluate`` flow: episodes on held-out splits (greedy by default)."""
+
+    temperature: Temperature = 0.0
+    """Decoding temperature (0: greedy, the paper's evaluation). Above 0 a small policy that
+    repeats itself greedily (the same two commands until the turn limit) can leave the loop."""
 
     splits: list[str] = Field(default_factory=lambda: ["valid_seen", "valid_unseen"], min_length=1)
     """Splits to play (task lists written by the ``expert`` stage)."""
@@ -484,34 +520,21 @@ class EvaluateParams(Section):
     """Play only the first ``n_tasks`` of each split (``null``: all); task types cycle, so any
     prefix stays balanced."""
 
-    temperature: float = Field(0.0, ge=0.0)
-    """Decoding temperature (0: greedy, the paper's evaluation). Above 0 a small policy that
-    repeats itself greedily (the same two commands until the turn limit) can leave the loop."""
-
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling mass when ``temperature > 0``."""
-
     seed: int = Field(0, ge=0)
     """Sampling seed when ``temperature > 0`` (same seed and ``hf`` backend: same episodes)."""
 
 
-class CollectParams(Section):
+class CollectParams(SamplingParams):
     """The ``collect`` stage: N sampled rollouts of ``pi_ref`` per training task (``D_ct``)."""
 
     seed: int = Field(0, ge=0)
     """Sampling seed (same seed and ``hf`` backend: identical ``D_ct``)."""
 
-    n_tasks: int | None = Field(100, ge=1)
+    n_tasks: int | None = Field(200, ge=1)
     """The first ``n_tasks`` training tasks (``null``: all)."""
 
     samples_per_task: int = Field(4, ge=1)
     """N, rollouts per task (the paper: 10)."""
-
-    temperature: float = Field(1.0, ge=0.0)
-    """Sampling temperature (the paper: 1.0)."""
-
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling mass."""
 
     max_unparsed: int = Field(3, ge=0)
     """Responses without a parsable action an episode may have before it is dropped."""
@@ -643,15 +666,22 @@ class Params(Section):
         return self
 
 
+def _nested_model(model: type[BaseModel], key: str | int) -> type[BaseModel] | None:
+    """The model of field ``key`` of ``model`` if it is a block of settings, else ``None``."""
+    field = model.model_fields.get(key) if isinstance(key, str) else None
+    annotation = getattr(field, "annotation", None)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
 def _allowed_keys(model: type[BaseModel], loc: tuple[str | int, ...]) -> list[str]:
     """Field names valid at ``loc`` (the location of an unknown key's parent)."""
-    current: Any = model
+    current: type[BaseModel] | None = model
     for part in loc:
-        field = current.model_fields.get(part) if isinstance(part, str) else None
-        annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        current = _nested_model(current, part)
+        if current is None:
             return []
-        current = annotation
     return list(current.model_fields)
 
 
@@ -682,18 +712,65 @@ def parse_params(data: Any, source: str = "params") -> Params:
         raise ParamsError(_format_errors(err, source)) from None
 
 
-def load_params(path: str | Path) -> Params:
-    """Read and validate ``params.yaml``; raises :class:`ParamsError` naming what is wrong."""
-    path = Path(path)
+#: The top-level key of an overlay that names the file it changes.
+BASE_KEY = "base"
+
+
+def merge_params(base: dict[str, Any], overlay: dict[str, Any],
+                 model: type[BaseModel] = Params) -> dict[str, Any]:
+    """``overlay`` over ``base`` (raw mappings, neither changed). A section or a nested block of
+    settings (``model.lora``, ``rollout.openai``) merges key by key; any other value replaces
+    the base's whole: a number, a list, and a free-form mapping such as ``env.options``, whose
+    keys belong to one environment and would not fit another's."""
+    merged = dict(base)
+    for key, value in overlay.items():
+        nested = _nested_model(model, key)
+        if nested is not None and isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_params(merged[key], value, nested)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _read_yaml(path: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ParamsError(f"{path}: cannot read parameters file ({err.strerror})") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ParamsError(f"{path}: not valid YAML: {err}") from None
-    return parse_params(data, str(path))
+
+
+def _resolve(path: Path, seen: tuple[Path, ...] = ()) -> tuple[Any, tuple[Path, ...]]:
+    """The raw mapping of a params file with its ``base:`` chain merged under it (each base
+    relative to the folder of the file that names it), and the files of that chain."""
+    data = _read_yaml(path)
+    if not isinstance(data, dict) or BASE_KEY not in data:
+        return data, (path,)  # not a mapping: parse_params names the file and what it holds
+    data = dict(data)
+    base = data.pop(BASE_KEY)
+    if not isinstance(base, str) or not base:
+        raise ParamsError(f"{path}: {BASE_KEY} must be the path of the params file this one "
+                          f"changes, relative to {path.parent} (got {base!r})")
+    base_path = path.parent / base
+    if base_path.resolve() in (*seen, path.resolve()):
+        raise ParamsError(f"{path}: {BASE_KEY} {base!r} leads back to a file of its own chain")
+    try:
+        under, chain = _resolve(base_path, (*seen, path.resolve()))
+    except ParamsError as err:
+        raise ParamsError(f"{path}: its {BASE_KEY} {base!r}: {err}") from None
+    if not isinstance(under, dict):
+        raise ParamsError(f"{path}: its {BASE_KEY} {base_path} holds no mapping of sections")
+    return merge_params(under, data), (path, *chain)
+
+
+def load_params(path: str | Path) -> Params:
+    """Read and validate a params file (``params.yaml``, or a profile over it); raises
+    :class:`ParamsError` naming what is wrong (and, for a profile, the files it merged)."""
+    data, chain = _resolve(Path(path))
+    return parse_params(data, " over ".join(map(str, chain)))
 
 
 def section_dict(section: BaseModel) -> dict[str, Any]:

@@ -13,7 +13,8 @@ from hisr_core.config import Params, ParamsError, load_params
 def stage_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--params", type=Path, default=Path("params.yaml"),
-                        help="parameters file (default: params.yaml)")
+                        help="parameters file: params.yaml or a profile over it, such as "
+                        "profiles/alfworld.yaml (default: params.yaml)")
     parser.add_argument("--data", type=Path, default=Path("data"),
                         help="data folder the stage reads and writes (default: data)")
     # The ``deepspeed`` launcher passes --local_rank; the process reads LOCAL_RANK instead.

@@ -12,9 +12,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tasks.runtime import configure_offline
+from tests.params_files import write_overlay
 
 configure_offline()  # this process too: Prefect and MLflow clients here tell no one
 
@@ -132,18 +132,12 @@ def run_module(prefect_api):
 
 @pytest.fixture
 def write_params(tmp_path, mlflow_uri, experiment):
-    """Write a params file: small defaults, the session's MLflow store, overrides merged in."""
+    """Write a params file: an overlay of the project's params.yaml with a few expert tasks,
+    the MLflow store of the test run, and ``overrides`` merged over those."""
 
     def write(overrides: dict | None = None) -> Path:
-        params = {
-            "env": {"name": "household", "max_turns": 40},
-            "expert": {"seed": 0, "n_train": 24, "n_valid_seen": 12, "n_valid_unseen": 12},
-            "tracking": {"mlflow_uri": mlflow_uri, "experiment": experiment},
-        }
-        for section, values in (overrides or {}).items():
-            params.setdefault(section, {}).update(values)
-        path = tmp_path / "params.yaml"
-        path.write_text(yaml.safe_dump(params))
-        return path
+        small = {"expert": {"n_train": 24, "n_valid_seen": 12, "n_valid_unseen": 12},
+                 "tracking": {"mlflow_uri": mlflow_uri, "experiment": experiment}}
+        return write_overlay(tmp_path / "params.yaml", small, overrides or {})
 
     return write

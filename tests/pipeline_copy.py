@@ -11,34 +11,31 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.params_files import ROOT, over_project
 
 
 def tiny_params(mlflow_uri: str, variants: list[str], experiment: str) -> dict:
     """The project's params with every stage shrunk: builtin:tiny, 16 training tasks, 4
     evaluation tasks, a few optimizer steps, 3 PPO iterations (a checkpoint after each)."""
     fit = {"backend": "torch", "log_every": 1, "micro_batch_size": 4}
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params.update({
-        "env": {"name": "household", "max_turns": 6, "options": {}},
-        "expert": {"seed": 0, "n_train": 16, "n_valid_seen": 4, "n_valid_unseen": 4,
-                   "slip_rate": 0.1},
+    # Complete (not an overlay): DVC tracks the copy's params.yaml key by key.
+    return over_project({
+        "env": {"max_turns": 6},
+        "expert": {"n_train": 16, "n_valid_seen": 4, "n_valid_unseen": 4},
         "tracking": {"mlflow_uri": mlflow_uri, "experiment": experiment},
-        "model": {**params["model"], "name_or_path": "builtin:tiny", "max_tokens": 512},
-        "sft": {**params["sft"], **fit, "max_steps": 4},
-        "rollout": {**params["rollout"], "batch_size": 8, "max_new_tokens": 24},
+        "model": {"name_or_path": "builtin:tiny", "max_tokens": 512},
+        "sft": {**fit, "max_steps": 4},
+        "rollout": {"batch_size": 8, "max_new_tokens": 24},
         "evaluate": {"splits": ["valid_seen"], "n_tasks": 4},
-        "collect": {**params["collect"], "n_tasks": 4, "samples_per_task": 2, "max_unparsed": 6,
-                    "loop_repeats": 6},
-        "sprm": {**params["sprm"], **fit, "max_steps": 2},
-        "hindsight": {**params["hindsight"], **fit, "max_steps": 2},
-        "rewards": {**params["rewards"], "cases": 1},
-        "ppo": {**params["ppo"], "iterations": 3, "tasks_per_iter": 2, "samples_per_task": 2,
-                "ppo_epochs": 1, "minibatches": 1, "micro_batch_size": 2, "backend": "torch",
-                "checkpoint_every": 1, "rft_epochs": 1.0},
-        "sweep": {"variants": variants, "seeds": [0]},
+        "collect": {"n_tasks": 4, "samples_per_task": 2, "max_unparsed": 6, "loop_repeats": 6},
+        "sprm": {**fit, "max_steps": 2},
+        "hindsight": {**fit, "max_steps": 2},
+        "rewards": {"cases": 1},
+        "ppo": {"iterations": 3, "tasks_per_iter": 2, "samples_per_task": 2, "ppo_epochs": 1,
+                "minibatches": 1, "micro_batch_size": 2, "backend": "torch",
+                "checkpoint_every": 1},
+        "sweep": {"variants": variants},
     })
-    return params
 
 
 def copy_repo(dest: Path, params: dict, base_env: dict[str, str]) -> dict[str, str]:

@@ -7,16 +7,16 @@ import json
 import shutil
 
 import pytest
-import yaml
 
 from hisr_core import contracts
 from hisr_core.agent.models import build_builtin, load_model, load_tokenizer
 from hisr_core.agent.prompts import PromptBuilder
-from hisr_core.config import Params, SftParams
+from hisr_core.config import SftParams, load_params
 from hisr_core.envs import environment_class
 from hisr_core.train.sft import encode_trajectories, train_sft
 from tasks.sft import corpus
 from tests.openai_server import CompletionServer
+from tests.params_files import write_overlay
 
 N_TASKS, SAMPLES = 3, 2
 
@@ -26,11 +26,10 @@ def setup(tmp_path_factory, run_module, mlflow_uri):
     """Task lists and D_bc from a small expert run, and a tiny policy behaviour-cloned on it
     for a few steps (so it answers in the ReAct format often enough to be filtered both ways)."""
     tmp = tmp_path_factory.mktemp("collect")
-    params = {"expert": {"n_train": 24, "n_valid_seen": 2, "n_valid_unseen": 2},
-              "tracking": {"mlflow_uri": mlflow_uri, "experiment": "collect-expert"}}
-    (tmp / "params.yaml").write_text(yaml.safe_dump(params))
-    proc = run_module("flows.expert", "--params", str(tmp / "params.yaml"),
-                      "--data", str(tmp / "data"))
+    params = write_overlay(tmp / "params.yaml", {
+        "expert": {"n_train": 24, "n_valid_seen": 2, "n_valid_unseen": 2},
+        "tracking": {"mlflow_uri": mlflow_uri, "experiment": "collect-expert"}})
+    proc = run_module("flows.expert", "--params", str(params), "--data", str(tmp / "data"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     d_bc = tmp / "data" / "expert" / "d_bc.parquet"
     model_dir = build_builtin("builtin:tiny", corpus(d_bc, "household"), 0, tmp / "base")
@@ -38,7 +37,7 @@ def setup(tmp_path_factory, run_module, mlflow_uri):
     seqs = encode_trajectories(contracts.read_rows(d_bc, "expert_trajectories"),
                                PromptBuilder(tokenizer, None, 1024),
                                environment_class("household").command_grammar)
-    train_sft(model, tokenizer, seqs, SftParams(max_steps=30, micro_batch_size=8,
+    train_sft(model, tokenizer, seqs, SftParams(epochs=2.0, max_steps=30, micro_batch_size=8,
                                                 backend="torch"), "float32", progress=False,
               out_dir=tmp / "pi_ref")
     return tmp
@@ -47,15 +46,13 @@ def setup(tmp_path_factory, run_module, mlflow_uri):
 def _params(setup, tmp_path, mlflow_uri, experiment, **rollout):
     data = tmp_path / "data"
     shutil.copytree(setup / "data" / "tasks", data / "tasks")
-    params = {
+    path = write_overlay(tmp_path / "params.yaml", {
         "env": {"max_turns": 6},
         "model": {"max_tokens": 1024},
         "rollout": {"batch_size": 4, "max_new_tokens": 24, **rollout},
         "collect": {"n_tasks": N_TASKS, "samples_per_task": SAMPLES, "seed": 7},
         "tracking": {"mlflow_uri": mlflow_uri, "experiment": experiment},
-    }
-    path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
+    })
     return path, data
 
 
@@ -112,7 +109,7 @@ def test_server_errors_are_retried_then_fail_clearly(setup, tmp_path):
     model_dir = setup / "pi_ref"
     params_path, data = _params(setup, tmp_path, "sqlite:///unused.db", "unused",
                                 backend="openai")
-    params = Params.model_validate(yaml.safe_load(params_path.read_text()))
+    params = load_params(params_path)
     out, dropped = data / "collect" / "d_ct.parquet", data / "collect" / "dropped.parquet"
     with CompletionServer(load_model(model_dir), load_tokenizer(model_dir), "pi-ref") as server:
         cfg = params.rollout.openai.model_copy(update={"base_url": server.url, "model": "pi-ref",
@@ -179,7 +176,7 @@ def test_evaluation_samples_only_when_asked_and_reproducibly(setup, tmp_path):
     from tasks.evaluate import evaluate_split
 
     path, data = _params(setup, tmp_path, "sqlite:///unused.db", "unused")
-    base = Params.model_validate(yaml.safe_load(path.read_text()))
+    base = load_params(path)
     tasks = data / "tasks" / "valid_seen.parquet"
 
     def responses(name, **evaluate):

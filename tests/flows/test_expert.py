@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hisr_core import contracts
-from hisr_core.config import parse_params
+from hisr_core.config import load_params
 from tasks.expert import expert_play, make_tasks
 
 
@@ -67,7 +67,7 @@ def test_missing_params_file(run_module, tmp_path):
 
 def _run_stage_in_process(params_file, data, workers=0):
     """The stage's tasks without the Prefect engine (``.fn``), for byte comparisons."""
-    p = parse_params(__import__("yaml").safe_load(params_file.read_text()))
+    p = load_params(params_file)
     path = data / "tasks" / "train.parquet"
     make_tasks.fn(p.env, "train", p.expert.n_train, p.expert.seed, path)
     expert_play.fn(p.env, path, data / "d_bc.parquet", p.expert.slip_rate, workers)

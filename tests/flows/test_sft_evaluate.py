@@ -9,19 +9,17 @@ import pytest
 from hisr_core import contracts
 from tasks.sft import corpus
 from tests.hf_fixtures import save_tiny_qwen
+from tests.params_files import write_overlay
 
 
 @pytest.fixture(scope="module")
 def expert_data(tmp_path_factory, run_module, mlflow_uri):
     """One small expert run shared by the tests of this module."""
-    import yaml
-
     tmp = tmp_path_factory.mktemp("expert")
-    params = {"expert": {"n_train": 24, "n_valid_seen": 6, "n_valid_unseen": 6},
-              "tracking": {"mlflow_uri": mlflow_uri, "experiment": "sft-evaluate-expert"}}
-    (tmp / "params.yaml").write_text(yaml.safe_dump(params))
-    proc = run_module("flows.expert", "--params", str(tmp / "params.yaml"),
-                      "--data", str(tmp / "data"))
+    params = write_overlay(tmp / "params.yaml", {
+        "expert": {"n_train": 24, "n_valid_seen": 6, "n_valid_unseen": 6},
+        "tracking": {"mlflow_uri": mlflow_uri, "experiment": "sft-evaluate-expert"}})
+    proc = run_module("flows.expert", "--params", str(params), "--data", str(tmp / "data"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     return tmp / "data"
 
@@ -41,12 +39,9 @@ def _params(mlflow_uri, experiment, model, **sft):
 def _run_sft_and_evaluate(run_module, tmp_path, expert_data, model, mlflow_uri, experiment):
     import shutil
 
-    import yaml
-
     data = tmp_path / "data"
     shutil.copytree(expert_data, data)
-    params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump(_params(mlflow_uri, experiment, model)))
+    params = write_overlay(tmp_path / "params.yaml", _params(mlflow_uri, experiment, model))
     proc = run_module("flows.sft", "--params", str(params), "--data", str(data))
     assert proc.returncode == 0, proc.stderr[-3000:]
     pi_ref = data / "sft" / "pi_ref"

@@ -238,8 +238,10 @@ def test_hindsight_training_smoke(rows, tiny_dir, tokenizer, tmp_path, lr):
     examples = [e for r in rows for e in trajectory_examples(builder, r, GRAMMAR, Window(2, 2))]
     assert len(examples) == sum(r["n_turns"] for r in rows)
     logs = []
+    # Gates that open and train (params.yaml keeps them closed), one micro-batch a step.
     params = HindsightParams(backend="torch", max_steps=2, log_every=1, micro_batch_size=4,
-                             lr=lr, reader_rank=4, pointer_rank=4)
+                             grad_accum=1, epochs=0.5, lr=lr, gate_init=-4.0, gate_lr=0.1,
+                             reader_rank=4, pointer_rank=4)
     model = load_model(tiny_dir)
     attach_gates(model, params.gate_init, params.gate_lr, params.reader_rank, params.reader_lr,
                  params.seed, params.pointer_rank, params.pointer_lr)
