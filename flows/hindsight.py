@@ -32,7 +32,7 @@ def hindsight_flow(params_path: Path = Path("params.yaml"), data: Path = Path("d
                                stage.run_id)
         log_metrics({"hindsight": report}, out / "metrics.json")
         stage.log_model(out / "pi_hind", "pi_hind", "pi_hind")
-        stage.log_files(out / "loss.csv")
+        stage.log_curve("hindsight", out / "loss.csv")
     held = report.get("heldout")
     print(f"pi_hind: {report['fit']['steps']} steps on {report['fit']['examples']} examples"
           + (f"; held-out NLL {held['nll_hind']:.4f} (pi_ref from the prefix: "

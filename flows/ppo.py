@@ -80,7 +80,7 @@ def ppo_flow(variant: str, seed: int = 0, params_path: Path = Path("params.yaml"
                                stage.run_id)
             log_metrics({"ppo": report}, out / "metrics.json")
             stage.log_model(out / "models" / "policy", model_name, "policy", **tags)
-            stage.log_files(out / "curve.csv")
+            stage.log_curve("sft", out / "curve.csv")
         print(f"rft: {report['steps']} steps on {report['trajectories']} successful rollouts")
         return report
     inputs = {"pi_hind": data / "hindsight" / "pi_hind", "sprm": data / "sprm",

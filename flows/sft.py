@@ -41,7 +41,7 @@ def sft_flow(params_path: Path = Path("params.yaml"), data: Path = Path("data"))
         stats = train(params, base, d_bc, out / "pi_ref", out / "loss.csv", stage.run_id)
         log_metrics({"sft": stats}, out / "metrics.json")
         stage.log_model(out / "pi_ref", "pi_ref", "policy")
-        stage.log_files(out / "loss.csv")
+        stage.log_curve("sft", out / "loss.csv")
     print(f"pi_ref: {stats['steps']} steps, final loss {stats['loss']:.4f}, "
           f"{stats['tokens_per_s']:,.0f} tokens/s, {stats['seconds'] / 60:.1f} min")
     return stats

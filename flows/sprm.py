@@ -47,7 +47,7 @@ def sprm_flow(params_path: Path = Path("params.yaml"), data: Path = Path("data")
                                          stage.run_id, turn_level)
                 stage.log_model(out / name, "sprm_turn" if turn_level else "sprm", "sprm",
                                 **({"hisr.also": "turn_model"} if turn else {}))
-            stage.log_files(out / curve)
+            stage.log_curve("sprm_turn" if turn_level else "sprm", out / curve)
         log_metrics({"sprm": reports}, out / "metrics.json")
     for name, report in reports.items():
         held = report.get("heldout")

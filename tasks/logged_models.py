@@ -10,14 +10,13 @@ that place of the logged model (``MlflowClient.log_model_artifacts``); the model
 READY once the weights are there. Loading it downloads the whole logged model, so the pyfunc
 finds the folder where the entry says."""
 
-from __future__ import annotations
-
 import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 import mlflow
+import pandas as pd
 
 #: What ``predict`` does, per kind of folder.
 KINDS = {
@@ -57,9 +56,12 @@ class FolderModel(mlflow.pyfunc.PythonModel):
         self.model = loaders[self.kind](folder).eval()
         self.tokenizer = load_tokenizer(folder)
 
-    # No type hints on the arguments: MLflow would take them for the signature, which has
-    # no room for params; the logged model carries an explicit one (log_model_folder).
-    def predict(self, context, model_input, params=None):
+    # (No ``from __future__ import annotations`` here: MLflow reads this hint as a type.)
+    # A DataFrame hint, which MLflow does not turn into a signature (a list[str] one would
+    # leave no room for params): the logged model carries an explicit one (log_model_folder),
+    # under which a list of strings arrives as a one-column DataFrame.
+    def predict(self, context: Any, model_input: pd.DataFrame,
+                params: dict[str, Any] | None = None) -> list:
         import torch
 
         out: list[Any] = []
@@ -125,7 +127,6 @@ def log_model_folder(folder: Path, name: str, kind: str, tags: dict[str, str]) -
         # An input example would make MLflow run the model while logging it, before its
         # weights are in place; the signature says what it takes.
         warnings.filterwarnings("ignore", message=".*input example was not provided")
-        warnings.filterwarnings("ignore", message=".*Add type hints to the `predict` method")
         placeholder = Path(tmp) / "model"
         placeholder.mkdir()
         info = mlflow.pyfunc.log_model(

@@ -13,7 +13,7 @@ from typing import Any
 from hisr_core.config import Params
 from tasks.caching import use_cache_dir
 from tasks.cli import load_or_exit, require_all, stage_parser
-from tasks.tracking import stage_run
+from tasks.tracking import LossCurve, stage_run
 
 #: The stage flows' own arguments' defaults: a flow run names them only when they differ.
 _DEFAULTS = {"params_path": "params.yaml", "data": "data"}
@@ -79,6 +79,12 @@ class Stage:
 
         for path in paths:
             mlflow.log_artifact(str(path))
+
+    def log_curve(self, name: str, path: Path) -> None:
+        """A fit's ``step,loss`` CSV as an artifact, and as the run's ``losses/<name>`` history
+        when the fit came from Prefect's cache (it logged its steps in an earlier run)."""
+        LossCurve(name, self.run_id).replay(path)
+        self.log_files(path)
 
     def log_model(self, folder: Path, name: str, kind: str, **tags: str) -> str:
         """``folder`` as an MLflow logged model of this run (see
