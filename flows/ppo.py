@@ -86,8 +86,9 @@ def ppo_flow(variant: str, seed: int = 0, params_path: Path = Path("params.yaml"
     inputs = {"pi_hind": data / "hindsight" / "pi_hind", "sprm": data / "sprm",
               "tasks": data / "tasks" / "train.parquet", "d_st": data / "segment" / "d_st.parquet",
               "rewards": data / "rewards" / "rewards.parquet"}
-    needs = {pi_ref: "sft", **{path: "expert" if key == "tasks" else key
-                               for key, path in inputs.items()}}
+    makers = {"pi_hind": "hindsight", "sprm": "sprm", "tasks": "expert", "d_st": "segment",
+              "rewards": "rewards"}
+    needs = {pi_ref: "sft", **{path: makers[key] for key, path in inputs.items()}}
     # Before the fingerprint: a missing input would change it and discard the checkpoint.
     require_all(needs)
     fp = fingerprint(params, variant, [pi_ref, *inputs.values()])
