@@ -131,7 +131,8 @@ def log_model_folder(folder: Path, name: str, kind: str, tags: dict[str, str]) -
         placeholder.mkdir()
         info = mlflow.pyfunc.log_model(
             name=name, python_model=FolderModel(kind), artifacts={"model": str(placeholder)},
-            signature=signature, pip_requirements=_requirements(), tags={**tags, "hisr.kind": kind, "hisr.content": digest},
+            signature=signature, pip_requirements=_requirements(),
+            tags={**tags, "hisr.kind": kind, "hisr.content": digest},
             metadata={"predict": KINDS[kind]})
     place = info.flavors["python_function"]["artifacts"]["model"]["path"]
     client = mlflow.MlflowClient()

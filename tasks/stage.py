@@ -19,15 +19,14 @@ from tasks.tracking import LossCurve, stage_run
 _DEFAULTS = {"params_path": "params.yaml", "data": "data"}
 
 
-def checks(*models: Path, env: bool = True) -> Callable[[Params], None]:
-    """A stage's checks before any work: the environment and its options exist (``env``) and
-    each of ``models`` is a saved Hugging Face model folder."""
+def checks(*models: Path) -> Callable[[Params], None]:
+    """A stage's checks before any work: the environment and its options exist and each of
+    ``models`` is a saved Hugging Face model folder."""
     from tasks.expert import check_env
     from tasks.models import check_model_dir
 
     def check(params: Params) -> None:
-        if env:
-            check_env(params.env)
+        check_env(params.env)
         for model in models:
             check_model_dir(Path(model))
     return check

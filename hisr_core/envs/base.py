@@ -162,9 +162,9 @@ class GoalEpisode(Episode):
 
     What every such environment does alike lives here: ``step`` (:class:`Episode`'s guards
     and turn count, then ``_act``, its observation with the admissible commands appended
-    under the ``show_admissible`` option) and the score. A subclass sets ``task``, ``max_turns``, ``show_admissible``,
-    ``_turns = 0``, ``_won`` and ``_ready = True`` in ``reset``, and implements ``conditions``
-    and ``_act``.
+    under the ``show_admissible`` option) and the score. A subclass sets ``task``,
+    ``max_turns``, ``show_admissible``, ``_turns = 0``, ``_won`` and ``_ready = True`` in
+    ``reset``, and implements ``conditions`` and ``_act``.
     """
 
     @abc.abstractmethod
