@@ -11,9 +11,10 @@ $(STAMP): pyproject.toml constraints.txt scripts/setup.sh
 
 install: $(STAMP)
 
-# The whole pipeline on the built-in environment with params.yaml.
+# The whole pipeline on the built-in environment with params.yaml (the stages run
+# scripts/python, which finds .venv by itself).
 repro: $(STAMP)
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" dvc repro
+	$(VENV)/bin/dvc repro
 
 # The test suite (CPU only).
 test: $(STAMP)

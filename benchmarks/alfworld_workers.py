@@ -17,20 +17,15 @@ import argparse
 import os
 import platform
 import random
-import sys
 import time
 from pathlib import Path
 
 from _emit import emit  # benchmarks/, on the path when a benchmark runs as a script
 
-ROOT = Path(__file__).resolve().parents[1]
-try:
-    import hisr_core  # noqa: F401
-except ImportError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(ROOT))
-
 from hisr_core.envs import make_environment
 from hisr_core.envs.workers import EnvWorkers
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ADMISSIBLE = "\nAdmissible actions: "
 

@@ -12,15 +12,9 @@ import argparse
 import json
 import platform
 import random
-import sys
 import time
-from pathlib import Path
 
-try:
-    from hisr_core.envs import make_environment
-except ImportError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from hisr_core.envs import make_environment
+from hisr_core.envs import make_environment
 
 
 def run(steps: int, seed: int, n_tasks: int = 200, max_turns: int = 40) -> dict[str, object]:

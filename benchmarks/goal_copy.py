@@ -18,16 +18,11 @@ from __future__ import annotations
 
 import argparse
 import platform
-import sys
 from pathlib import Path
 
 from _emit import emit  # benchmarks/, on the path when a benchmark runs as a script
 
 ROOT = Path(__file__).resolve().parents[1]
-try:
-    import hisr_core  # noqa: F401
-except ImportError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(ROOT))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,7 +19,6 @@ import platform
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -27,10 +26,6 @@ from pathlib import Path
 from _emit import emit  # benchmarks/, on the path when a benchmark runs as a script
 
 ROOT = Path(__file__).resolve().parents[1]
-try:
-    import hisr_core  # noqa: F401
-except ImportError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(ROOT))
 
 
 def prompts_of(builder, n: int) -> list[list[int]]:

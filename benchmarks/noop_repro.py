@@ -26,6 +26,8 @@ from pathlib import Path
 from _emit import emit  # benchmarks/, on the path when a benchmark runs as a script
 
 ROOT = Path(__file__).resolve().parents[1]
+# The tiny copy comes from tests/pipeline_copy.py, and tests/ is not part of the installed
+# package (hisr_core, tasks and flows are).
 sys.path.insert(0, str(ROOT))
 
 

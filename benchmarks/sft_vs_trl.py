@@ -18,16 +18,10 @@ import argparse
 import json
 import platform
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-try:
-    import hisr_core  # noqa: F401
-except ImportError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pyarrow.parquet as pq
 import torch

@@ -13,26 +13,21 @@ from pathlib import Path
 
 from prefect import flow
 
-from tasks.caching import use_cache_dir
 from tasks.cli import load_or_exit, stage_parser
-from tasks.expert import check_env
-from tasks.models import check_model_dir
-from tasks.tracking import log_metrics, stage_run
+from tasks.stage import checks, run_name, run_stage
+from tasks.tracking import log_metrics
 
 
-@flow(name="collect", log_prints=True)
+@flow(name="collect", log_prints=True, flow_run_name=run_name("collect/{model}"))
 def collect_flow(model: Path, params_path: Path = Path("params.yaml"),
                  data: Path = Path("data")) -> dict:
     from tasks.collect import collect
 
-    params = load_or_exit(params_path, lambda p: (check_env(p.env), check_model_dir(model)))
-    use_cache_dir(data / "cache" / "prefect")
-    sections = {"env": params.env.model_dump(), "model": params.model.model_dump(),
-                "rollout": params.rollout.model_dump(), "collect": params.collect.model_dump()}
-    out = data / "collect"
-    with stage_run(params, "collect", sections, reads=[model, data / "tasks" / "train.parquet"],
-                   writes=[out]):
-        metrics = collect(params, model, data / "tasks" / "train.parquet", out / "d_ct.parquet",
+    tasks, out = data / "tasks" / "train.parquet", data / "collect"
+    with run_stage("collect", params_path, data, ["env", "model", "rollout", "collect"],
+                   check=checks(model), needs={tasks: "expert"}, reads=[model],
+                   writes=[out]) as stage:
+        metrics = collect(stage.params, model, tasks, out / "d_ct.parquet",
                           out / "dropped.parquet", policy="pi_ref")
         log_metrics({"collect": metrics}, out / "metrics.json")
     print(f"D_ct: {metrics['kept']} of {metrics['episodes']} episodes kept "
@@ -46,7 +41,7 @@ def main() -> None:
     parser = stage_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="policy model folder")
     args = parser.parse_args()
-    load_or_exit(args.params, lambda p: (check_env(p.env), check_model_dir(args.model)))
+    load_or_exit(args.params, checks(args.model))
     collect_flow(model=args.model, params_path=args.params, data=args.data)
 
 

@@ -14,27 +14,23 @@ from pathlib import Path
 
 from prefect import flow
 
-from tasks.caching import use_cache_dir
 from tasks.cli import load_or_exit, stage_parser
-from tasks.expert import check_env
-from tasks.models import check_model_dir
-from tasks.tracking import log_metrics, stage_run
+from tasks.stage import checks, pick, run_name, run_stage
+from tasks.tracking import log_metrics
 
 
-@flow(name="evaluate", log_prints=True, flow_run_name="evaluate/{name}")
+@flow(name="evaluate", log_prints=True, flow_run_name=run_name("evaluate/{name}"))
 def evaluate_flow(model: Path, name: str, params_path: Path = Path("params.yaml"),
                   data: Path = Path("data"), tags: dict[str, str] | None = None) -> dict:
     from tasks.evaluate import evaluate_split, table_row, task_types
 
-    params = load_or_exit(params_path, lambda p: (check_env(p.env), check_model_dir(model)))
-    use_cache_dir(data / "cache" / "prefect")
+    params = load_or_exit(params_path, checks(model))
     types = task_types(params.env.name)
     metrics: dict = {}
-    sections = {"env": params.env.model_dump(), "model": params.model.model_dump(),
-                "evaluate": params.evaluate.model_dump(),
-                "rollout": params.rollout.model_dump(), "policy": name}
-    with stage_run(params, f"evaluate/{name}", sections, tags={"policy": name, **(tags or {})},
-                   reads=[model, data / "tasks"], writes=[data / "eval" / name]):
+    sections = {**pick(params, ["env", "model", "evaluate", "rollout"]), "policy": name}
+    with run_stage(f"evaluate/{name}", params, data, sections,
+                   tags={"policy": name, **(tags or {})}, needs={data / "tasks": "expert"},
+                   reads=[model], writes=[data / "eval" / name]):
         for split in params.evaluate.splits:
             table = evaluate_split(params, model, split, data / "tasks" / f"{split}.parquet",
                                    data / "eval" / name / "episodes" / f"{split}.parquet", name)
@@ -58,7 +54,7 @@ def main() -> None:
     bad = [t for t in args.tag if "=" not in t or not t.split("=", 1)[0]]
     if bad:
         parser.error(f"--tag takes KEY=VALUE, got {bad[0]!r}")
-    load_or_exit(args.params, lambda p: (check_env(p.env), check_model_dir(args.model)))
+    load_or_exit(args.params, checks(args.model))
     evaluate_flow(model=args.model, name=args.name, params_path=args.params, data=args.data,
                   tags=dict(t.split("=", 1) for t in args.tag))
 

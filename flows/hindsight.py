@@ -15,31 +15,24 @@ from pathlib import Path
 
 from prefect import flow
 
-from tasks.caching import use_cache_dir
-from tasks.cli import load_or_exit, require, stage_parser
-from tasks.expert import check_env
-from tasks.tracking import log_metrics, stage_run
+from tasks.stage import checks, run_name, run_stage, stage_main
+from tasks.tracking import log_metrics
 
 
-@flow(name="hindsight", log_prints=True)
+@flow(name="hindsight", log_prints=True, flow_run_name=run_name("hindsight"))
 def hindsight_flow(params_path: Path = Path("params.yaml"), data: Path = Path("data")) -> dict:
-    import mlflow
-
     from tasks.hindsight import fit_hindsight
 
-    params = load_or_exit(params_path, lambda p: check_env(p.env))
-    use_cache_dir(data / "cache" / "prefect")
-    d_ct = require(data / "collect" / "d_ct.parquet", "collect")
-    pi_ref = require(data / "sft" / "pi_ref", "sft")
+    d_ct, pi_ref = data / "collect" / "d_ct.parquet", data / "sft" / "pi_ref"
     out = data / "hindsight"
-    sections = {"env": {"name": params.env.name}, "model": params.model.model_dump(),
-                "hindsight": params.hindsight.model_dump()}
-    with stage_run(params, "hindsight", sections, reads=[d_ct, pi_ref], writes=[out]) as run:
-        report = fit_hindsight(params, d_ct, pi_ref, out / "pi_hind", out / "loss.csv",
-                               run.info.run_id)
+    with run_stage("hindsight", params_path, data, ["env.name", "model", "hindsight"],
+                   check=checks(), needs={d_ct: "collect", pi_ref: "sft"},
+                   writes=[out]) as stage:
+        report = fit_hindsight(stage.params, d_ct, pi_ref, out / "pi_hind", out / "loss.csv",
+                               stage.run_id)
         log_metrics({"hindsight": report}, out / "metrics.json")
-        mlflow.log_artifacts(str(out / "pi_hind"), artifact_path="pi_hind")
-        mlflow.log_artifact(str(out / "loss.csv"))
+        stage.log_model(out / "pi_hind", "pi_hind", "pi_hind")
+        stage.log_curve("hindsight", out / "loss.csv")
     held = report.get("heldout")
     print(f"pi_hind: {report['fit']['steps']} steps on {report['fit']['examples']} examples"
           + (f"; held-out NLL {held['nll_hind']:.4f} (pi_ref from the prefix: "
@@ -47,10 +40,7 @@ def hindsight_flow(params_path: Path = Path("params.yaml"), data: Path = Path("d
     return report
 
 
-def main() -> None:
-    args = stage_parser(__doc__.splitlines()[0]).parse_args()
-    load_or_exit(args.params, lambda p: check_env(p.env))
-    hindsight_flow(params_path=args.params, data=args.data)
+main = stage_main(hindsight_flow, __doc__, checks())
 
 
 if __name__ == "__main__":

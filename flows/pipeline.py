@@ -29,6 +29,7 @@ from flows.segment import segment_flow
 from flows.sft import sft_flow
 from flows.sprm import sprm_flow
 from tasks.cli import load_or_exit, stage_parser
+from tasks.stage import run_name
 from tasks.tracking import pipeline_run_id
 
 #: Stage names in graph order (``ppo`` and ``evaluate`` run once per variant and seed).
@@ -36,7 +37,7 @@ STAGES = ("expert", "sft", "evaluate_sft", "collect", "segment", "sprm", "hindsi
           "ppo", "report")
 
 
-@flow(name="pipeline", log_prints=True)
+@flow(name="pipeline", log_prints=True, flow_run_name=run_name("pipeline/from-{start}"))
 def pipeline_flow(params_path: Path = Path("params.yaml"), data: Path = Path("data"),
                   start: str = "expert") -> dict:
     if start not in STAGES:

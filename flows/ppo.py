@@ -26,15 +26,14 @@ from typing import get_args
 from prefect import flow
 
 from hisr_core.config import Params, Variant
-from tasks.caching import use_cache_dir
-from tasks.cli import load_or_exit, require, stage_parser
-from tasks.expert import check_env
-from tasks.tracking import log_metrics, stage_run
+from tasks.cli import load_or_exit, require_all, stage_parser
+from tasks.stage import checks, run_name, run_stage
+from tasks.tracking import log_metrics
 
 
 def _check_variant(variant: str):
     def check(params) -> None:
-        check_env(params.env)
+        checks()(params)
         if variant == "grpo" and params.ppo.samples_per_task < 2:
             raise ValueError("grpo needs ppo.samples_per_task >= 2 (its advantage is relative "
                              "to the other rollouts of the same task)")
@@ -53,11 +52,9 @@ def _load(params_path: Path, variant: str, seed: int | None) -> Params:
     return params.model_copy(update={"ppo": params.ppo.model_copy(update={"seed": seed})})
 
 
-@flow(name="ppo", log_prints=True, flow_run_name="ppo/{variant}/seed{seed}")
+@flow(name="ppo", log_prints=True, flow_run_name=run_name("ppo/{variant}/seed{seed}"))
 def ppo_flow(variant: str, seed: int = 0, params_path: Path = Path("params.yaml"),
              data: Path = Path("data")) -> dict:
-    import mlflow
-
     from tasks.ppo import (
         fingerprint,
         resumable,
@@ -69,41 +66,47 @@ def ppo_flow(variant: str, seed: int = 0, params_path: Path = Path("params.yaml"
     )
 
     params = _load(params_path, variant, seed)
-    use_cache_dir(data / "cache" / "prefect")
-    pi_ref = require(data / "sft" / "pi_ref", "sft")
+    pi_ref = data / "sft" / "pi_ref"
     out, checkpoint = run_dirs(data, variant, seed)
     name, tags = f"ppo/{variant}/seed{seed}", {"variant": variant, "seed": str(seed)}
+    # The trained policy as a logged model, named so that the experiment's Models tab tells
+    # the variants and seeds apart.
+    model_name = f"policy-{variant}-seed{seed}"
     if variant == "rft":
-        d_ct = require(data / "collect" / "d_ct.parquet", "collect")
-        with stage_run(params, name, sections(params, variant), tags=tags,
-                       reads=[pi_ref, d_ct], writes=[out]) as run:
+        d_ct = data / "collect" / "d_ct.parquet"
+        with run_stage(name, params, data, sections(params, variant), tags=tags,
+                       needs={pi_ref: "sft", d_ct: "collect"}, writes=[out]) as stage:
             report = train_rft(params, pi_ref, d_ct, out / "models", out / "curve.csv",
-                               run.info.run_id)
+                               stage.run_id)
             log_metrics({"ppo": report}, out / "metrics.json")
-            mlflow.log_artifact(str(out / "curve.csv"))
+            stage.log_model(out / "models" / "policy", model_name, "policy", **tags)
+            stage.log_curve("sft", out / "curve.csv")
         print(f"rft: {report['steps']} steps on {report['trajectories']} successful rollouts")
         return report
-    inputs = {"pi_hind": require(data / "hindsight" / "pi_hind", "hindsight"),
-              "sprm": require(data / "sprm", "sprm"),
-              "tasks": require(data / "tasks" / "train.parquet", "expert"),
-              "d_st": require(data / "segment" / "d_st.parquet", "segment"),
-              "rewards": require(data / "rewards" / "rewards.parquet", "rewards")}
+    inputs = {"pi_hind": data / "hindsight" / "pi_hind", "sprm": data / "sprm",
+              "tasks": data / "tasks" / "train.parquet", "d_st": data / "segment" / "d_st.parquet",
+              "rewards": data / "rewards" / "rewards.parquet"}
+    makers = {"pi_hind": "hindsight", "sprm": "sprm", "tasks": "expert", "d_st": "segment",
+              "rewards": "rewards"}
+    needs = {pi_ref: "sft", **{path: makers[key] for key, path in inputs.items()}}
+    # Before the fingerprint: a missing input would change it and discard the checkpoint.
+    require_all(needs)
     fp = fingerprint(params, variant, [pi_ref, *inputs.values()])
     meta = resumable(checkpoint, fp)
-    with stage_run(params, name, sections(params, variant), tags=tags,
-                   resume=meta["run_id"] if meta else None,
-                   reads=[pi_ref, *inputs.values()], writes=[out]) as run:
+    with run_stage(name, params, data, sections(params, variant), tags=tags, needs=needs,
+                   resume=meta["run_id"] if meta else None, writes=[out]) as stage:
         report = train_ppo(params, variant, pi_ref, inputs["pi_hind"], inputs["sprm"],
                            inputs["tasks"], inputs["d_st"], inputs["rewards"], out / "models",
-                           checkpoint, {"fingerprint": fp, "run_id": run.info.run_id},
-                           run.info.run_id)
-        curve = write_curve(run.info.run_id, out / "curve.csv")
+                           checkpoint, {"fingerprint": fp, "run_id": stage.run_id},
+                           stage.run_id)
+        curve = write_curve(stage.run_id, out / "curve.csv")
         final = curve[-1] if curve else {}
         log_metrics({"ppo": {"iterations": report["iterations"],
                              "resumed_from": report["resumed_from"],
                              "final": {k.replace("/", "_"): v for k, v in final.items()
                                        if k != "iteration"}}}, out / "metrics.json")
-        mlflow.log_artifact(str(out / "curve.csv"))
+        stage.log_model(out / "models" / "policy", model_name, "policy", **tags)
+        stage.log_files(out / "curve.csv")
     print(f"ppo {variant} seed {seed}: {report['iterations']} iterations"
           + (f" (resumed after {report['resumed_from']})" if report["resumed_from"] else "")
           + (f"; last rollout success {final['rollout/success']:.3f}" if final else ""))

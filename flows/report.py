@@ -16,35 +16,30 @@ from pathlib import Path
 
 from prefect import flow
 
-from tasks.cli import load_or_exit, stage_parser
-from tasks.tracking import finish_pipeline_run, log_metrics, stage_run
+from tasks.stage import run_name, run_stage, stage_main
+from tasks.tracking import finish_pipeline_run, log_metrics
 
 
-@flow(name="report", log_prints=True)
+@flow(name="report", log_prints=True, flow_run_name=run_name("report"))
 def report_flow(params_path: Path = Path("params.yaml"), data: Path = Path("data")) -> dict:
     import mlflow
 
     from tasks.report import write_report
 
-    params = load_or_exit(params_path)
     out = data / "report"
-    sections = {"env": {"name": params.env.name}, "evaluate": params.evaluate.model_dump(),
-                "sweep": params.sweep.model_dump()}
-    with stage_run(params, "report", sections, writes=[out],
-                   reads=[data / "eval", data / "ppo", data / "segment", data / "rewards"]):
-        summary = write_report(params, data, out)
+    with run_stage("report", params_path, data, ["env.name", "evaluate", "sweep"], writes=[out],
+                   reads=[data / "eval", data / "ppo", data / "segment",
+                          data / "rewards"]) as stage:
+        summary = write_report(stage.params, data, out)
         log_metrics({"report": summary}, out / "metrics.json")
         mlflow.log_artifacts(str(out), artifact_path="report")
-    finish_pipeline_run(params)
+    finish_pipeline_run(stage.params)
     print(f"report: {out / 'report.md'} and {out / 'report.html'}"
           + (f" ({summary['missing']} runs missing)" if summary["missing"] else ""))
     return summary
 
 
-def main() -> None:
-    args = stage_parser(__doc__.splitlines()[0]).parse_args()
-    load_or_exit(args.params)  # fail before Prefect starts
-    report_flow(params_path=args.params, data=args.data)
+main = stage_main(report_flow, __doc__)
 
 
 if __name__ == "__main__":

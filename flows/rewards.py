@@ -17,38 +17,29 @@ from pathlib import Path
 
 from prefect import flow
 
-from tasks.caching import use_cache_dir
-from tasks.cli import load_or_exit, require, stage_parser
-from tasks.expert import check_env
-from tasks.tracking import log_metrics, stage_run
+from tasks.stage import checks, run_name, run_stage, stage_main
+from tasks.tracking import log_metrics
 
 
-@flow(name="rewards", log_prints=True)
+@flow(name="rewards", log_prints=True, flow_run_name=run_name("rewards"))
 def rewards_flow(params_path: Path = Path("params.yaml"), data: Path = Path("data")) -> dict:
-    import mlflow
-
     from tasks.rewards import reward_metrics, score, write_cases, write_position_plot
 
-    params = load_or_exit(params_path, lambda p: check_env(p.env))
-    use_cache_dir(data / "cache" / "prefect")
-    d_st = require(data / "segment" / "d_st.parquet", "segment")
-    pi_ref = require(data / "sft" / "pi_ref", "sft")
-    pi_hind = require(data / "hindsight" / "pi_hind", "hindsight")
-    sprm = require(data / "sprm" / "model", "sprm").parent
+    d_st, pi_ref = data / "segment" / "d_st.parquet", data / "sft" / "pi_ref"
+    pi_hind, sprm = data / "hindsight" / "pi_hind", data / "sprm"
     out = data / "rewards"
-    sections = {"env": {"name": params.env.name}, "model": params.model.model_dump(),
-                "hindsight": {"past": params.hindsight.past,
-                              "future": params.hindsight.future},
-                "rewards": params.rewards.model_dump()}
-    with stage_run(params, "rewards", sections, reads=[d_st, pi_ref, pi_hind, sprm],
-                   writes=[out]):
-        rows = score(params, d_st, pi_ref, pi_hind, sprm, out / "rewards.parquet")
+    with run_stage("rewards", params_path, data,
+                   ["env.name", "model", "hindsight.past", "hindsight.future", "rewards"],
+                   check=checks(), writes=[out], needs={
+                       d_st: "segment", pi_ref: "sft", pi_hind: "hindsight",
+                       sprm / "model": "sprm"}) as stage:
+        rows = score(stage.params, d_st, pi_ref, pi_hind, sprm, out / "rewards.parquet")
         metrics = reward_metrics(rows)
         write_position_plot(metrics["position_share"], out / "position_share.csv",
                             out / "position_share.png")
-        write_cases(rows, params.rewards.cases, out / "cases.md", out / "cases.html")
-        for name in ("position_share.csv", "position_share.png", "cases.md", "cases.html"):
-            mlflow.log_artifact(str(out / name))
+        write_cases(rows, stage.params.rewards.cases, out / "cases.md", out / "cases.html")
+        stage.log_files(*(out / name for name in ("position_share.csv", "position_share.png",
+                                                  "cases.md", "cases.html")))
         log_metrics({"rewards": metrics}, out / "metrics.json")
     share = metrics["position_share"]
     print(f"rewards: {metrics['trajectories']} trajectories; mean r_hat sum "
@@ -60,10 +51,7 @@ def rewards_flow(params_path: Path = Path("params.yaml"), data: Path = Path("dat
     return metrics
 
 
-def main() -> None:
-    args = stage_parser(__doc__.splitlines()[0]).parse_args()
-    load_or_exit(args.params, lambda p: check_env(p.env))
-    rewards_flow(params_path=args.params, data=args.data)
+main = stage_main(rewards_flow, __doc__, checks())
 
 
 if __name__ == "__main__":

@@ -14,42 +14,31 @@ from pathlib import Path
 
 from prefect import flow
 
-from tasks.caching import use_cache_dir
-from tasks.cli import load_or_exit, require, stage_parser
-from tasks.expert import check_env
-from tasks.tracking import log_metrics, stage_run
+from tasks.stage import checks, run_name, run_stage, stage_main
+from tasks.tracking import log_metrics
 
 
-@flow(name="segment", log_prints=True)
+@flow(name="segment", log_prints=True, flow_run_name=run_name("segment"))
 def segment_flow(params_path: Path = Path("params.yaml"), data: Path = Path("data")) -> dict:
-    import mlflow
-
     from tasks.segment import segment, write_histogram
 
-    params = load_or_exit(params_path, lambda p: check_env(p.env))
-    use_cache_dir(data / "cache" / "prefect")
-    d_ct = require(data / "collect" / "d_ct.parquet", "collect")
-    out = data / "segment"
-    sections = {"env": {"name": params.env.name}, "segment": params.segment.model_dump()}
-    with stage_run(params, "segment", sections, reads=[d_ct], writes=[out]):
-        rows, metrics = segment(params, d_ct, out / "d_st.parquet")
-        write_histogram(rows, out / "segment_lengths.csv", out / "segment_lengths.png",
-                        params.segment.segmenter)
-        mlflow.log_artifact(str(out / "segment_lengths.png"))
-        mlflow.log_artifact(str(out / "segment_lengths.csv"))
+    d_ct, out = data / "collect" / "d_ct.parquet", data / "segment"
+    with run_stage("segment", params_path, data, ["env.name", "segment"], check=checks(),
+                   needs={d_ct: "collect"}, writes=[out]) as stage:
+        segmenter = stage.params.segment.segmenter
+        rows, metrics = segment(stage.params, d_ct, out / "d_st.parquet")
+        write_histogram(rows, out / "segment_lengths.csv", out / "segment_lengths.png", segmenter)
+        stage.log_files(out / "segment_lengths.png", out / "segment_lengths.csv")
         log_metrics({"segment": metrics}, out / "metrics.json")
     m = metrics["mean_turns_per_segment"]
     print(f"D_st: {metrics['trajectories']} trajectories, {metrics['segments']} segments "
-          f"({params.segment.segmenter}); mean turns per segment {m['all']:.2f} "
+          f"({segmenter}); mean turns per segment {m['all']:.2f} "
           f"(success {m['success']:.2f}, failure {m['failure']:.2f}); "
           f"{metrics['fallbacks']} fell back to turn")
     return metrics
 
 
-def main() -> None:
-    args = stage_parser(__doc__.splitlines()[0]).parse_args()
-    load_or_exit(args.params, lambda p: check_env(p.env))
-    segment_flow(params_path=args.params, data=args.data)
+main = stage_main(segment_flow, __doc__, checks())
 
 
 if __name__ == "__main__":

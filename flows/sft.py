@@ -18,35 +18,30 @@ from pathlib import Path
 
 from prefect import flow
 
-from tasks.caching import use_cache_dir
 from tasks.cli import load_or_exit, stage_parser
-from tasks.expert import check_env
 from tasks.models import check_model_source
-from tasks.tracking import log_metrics, stage_run
+from tasks.stage import checks, run_name, run_stage
+from tasks.tracking import log_metrics
 
 
 def _check(params) -> None:
-    check_env(params.env)
+    checks()(params)
     check_model_source(params.model.name_or_path)
 
 
-@flow(name="sft", log_prints=True)
+@flow(name="sft", log_prints=True, flow_run_name=run_name("sft"))
 def sft_flow(params_path: Path = Path("params.yaml"), data: Path = Path("data")) -> dict:
     from tasks.sft import prepare_base, train
 
-    params = load_or_exit(params_path, _check)
-    use_cache_dir(data / "cache" / "prefect")
     d_bc, out = data / "expert" / "d_bc.parquet", data / "sft"
-    sections = {"env": params.env.model_dump(), "model": params.model.model_dump(),
-                "sft": params.sft.model_dump()}
-    with stage_run(params, "sft", sections, reads=[d_bc], writes=[out]) as run:
+    with run_stage("sft", params_path, data, ["env", "model", "sft"], check=_check,
+                   needs={d_bc: "expert"}, writes=[out]) as stage:
+        params = stage.params
         base = prepare_base(params, d_bc, data / "cache" / "sft" / "base")
-        stats = train(params, base, d_bc, out / "pi_ref", out / "loss.csv", run.info.run_id)
+        stats = train(params, base, d_bc, out / "pi_ref", out / "loss.csv", stage.run_id)
         log_metrics({"sft": stats}, out / "metrics.json")
-        import mlflow
-
-        mlflow.log_artifacts(str(out / "pi_ref"), artifact_path="pi_ref")
-        mlflow.log_artifact(str(out / "loss.csv"))
+        stage.log_model(out / "pi_ref", "pi_ref", "policy")
+        stage.log_curve("sft", out / "loss.csv")
     print(f"pi_ref: {stats['steps']} steps, final loss {stats['loss']:.4f}, "
           f"{stats['tokens_per_s']:,.0f} tokens/s, {stats['seconds'] / 60:.1f} min")
     return stats

@@ -19,39 +19,35 @@ from pathlib import Path
 from prefect import flow
 
 from hisr_core.train.engine import replace_folder
-from tasks.caching import use_cache_dir
-from tasks.cli import load_or_exit, require, stage_parser
-from tasks.expert import check_env
-from tasks.tracking import log_metrics, stage_run
+from tasks.stage import checks, run_name, run_stage, stage_main
+from tasks.tracking import log_metrics
 
 
-@flow(name="sprm", log_prints=True)
+@flow(name="sprm", log_prints=True, flow_run_name=run_name("sprm"))
 def sprm_flow(params_path: Path = Path("params.yaml"), data: Path = Path("data")) -> dict:
-    import mlflow
-
     from tasks.sprm import fit_sprm
 
-    params = load_or_exit(params_path, lambda p: check_env(p.env))
-    use_cache_dir(data / "cache" / "prefect")
-    d_st = require(data / "segment" / "d_st.parquet", "segment")
-    pi_ref = require(data / "sft" / "pi_ref", "sft")
+    d_st, pi_ref = data / "segment" / "d_st.parquet", data / "sft" / "pi_ref"
     out = data / "sprm"
-    sections = {"env": {"name": params.env.name}, "model": params.model.model_dump(),
-                "sprm": params.sprm.model_dump()}
     reports = {}
-    with stage_run(params, "sprm", sections, reads=[d_st, pi_ref], writes=[out]) as run:
+    with run_stage("sprm", params_path, data, ["env.name", "segment.segmenter", "model", "sprm"],
+                   check=checks(), needs={d_st: "segment", pi_ref: "sft"},
+                   writes=[out]) as stage:
+        turn = stage.params.segment.segmenter == "turn"
         for name, turn_level, curve in (("model", False, "loss.csv"),
                                         ("turn_model", True, "loss_turn_model.csv")):
-            if turn_level and params.segment.segmenter == "turn":
-                # The same fit as ``model``: copy it rather than train it twice.
+            if turn_level and turn:
+                # The same fit as ``model``: copy it rather than train it twice (and log it to
+                # MLflow once, as ``sprm``).
                 replace_folder(out / name, lambda tmp: shutil.copytree(out / "model", tmp))
                 shutil.copyfile(out / "loss.csv", out / curve)
                 reports[name] = reports["model"]
             else:
-                reports[name] = fit_sprm(params, d_st, pi_ref, out / name, out / curve,
-                                         run.info.run_id, turn_level)
-            mlflow.log_artifacts(str(out / name), artifact_path=f"sprm/{name}")
-            mlflow.log_artifact(str(out / curve))
+                reports[name] = fit_sprm(stage.params, d_st, pi_ref, out / name, out / curve,
+                                         stage.run_id, turn_level)
+                stage.log_model(out / name, "sprm_turn" if turn_level else "sprm", "sprm",
+                                **({"hisr.also": "turn_model"} if turn else {}))
+            stage.log_curve("sprm_turn" if turn_level else "sprm", out / curve)
         log_metrics({"sprm": reports}, out / "metrics.json")
     for name, report in reports.items():
         held = report.get("heldout")
@@ -62,10 +58,7 @@ def sprm_flow(params_path: Path = Path("params.yaml"), data: Path = Path("data")
     return reports
 
 
-def main() -> None:
-    args = stage_parser(__doc__.splitlines()[0]).parse_args()
-    load_or_exit(args.params, lambda p: check_env(p.env))
-    sprm_flow(params_path=args.params, data=args.data)
+main = stage_main(sprm_flow, __doc__, checks())
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from hisr_core.config import Params, ParamsError, load_params
@@ -40,3 +40,9 @@ def require(path: Path, stage: str) -> Path:
         raise SystemExit(f"error: {path} does not exist; run the {stage} stage first "
                          f"(dvc repro {stage})")
     return path
+
+
+def require_all(needs: Mapping[Path, str]) -> None:
+    """:func:`require` for each input (path → the stage that makes it)."""
+    for path, stage in needs.items():
+        require(path, stage)

@@ -134,12 +134,29 @@ def log_metrics(metrics: Mapping[str, Any], path: str | Path | None = None) -> N
 
 
 class LossCurve:
-    """An ``on_log`` callback for :func:`hisr_core.train.fit.fit`: logs each step's metrics to the
-    MLflow run ``run_id`` (if any) and keeps ``(step, loss)`` for a DVC plot."""
+    """An ``on_log`` callback for :func:`hisr_core.train.fit.fit` (and PPO's iterations): logs
+    each step's metrics to the MLflow run ``run_id`` (if any) as metric histories, and keeps
+    ``(step, loss)`` for a DVC plot.
+
+    The pipeline's parent run gets them too, under ``<stage run name>/``: the experiment's
+    chart view shows only the runs listed, and it lists a pipeline's stage runs folded under
+    their parent, so without its own copy every chart section there reads "No charts in this
+    section" until the parent is unfolded."""
 
     def __init__(self, name: str, run_id: str | None) -> None:
         self.name, self.run_id = name, run_id
         self.points: list[tuple[int, float]] = []
+        self._parent: tuple[str, str] | None = None
+
+    def _mirror(self) -> tuple[str, str] | None:
+        """(parent run id, key prefix) of the run, if it has a parent; looked up once."""
+        if self._parent is None:
+            import mlflow
+
+            run = mlflow.MlflowClient().get_run(self.run_id)
+            parent = run.data.tags.get("mlflow.parentRunId")
+            self._parent = (parent or "", f"{run.info.run_name}/")
+        return self._parent if self._parent[0] else None
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         self.points.append((step, metrics[f"losses/{self.name}"]))
@@ -147,6 +164,27 @@ class LossCurve:
             import mlflow
 
             mlflow.log_metrics(metrics, step=step, run_id=self.run_id)
+            if mirror := self._mirror():
+                parent, prefix = mirror
+                mlflow.log_metrics({prefix + k: v for k, v in metrics.items()}, step=step,
+                                   run_id=parent)
+
+    def replay(self, path: Path) -> int:
+        """Log the ``step,loss`` rows of ``path`` (written by :meth:`write_csv`) unless the run
+        has this loss's history already: a stage whose training task came from Prefect's
+        cache ran no steps in this run. Returns the points logged."""
+        import csv
+
+        import mlflow
+
+        key = f"losses/{self.name}"
+        if self.run_id is None or mlflow.MlflowClient().get_metric_history(self.run_id, key):
+            return 0
+        with Path(path).open(newline="") as f:
+            rows = [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
+        for step, loss in rows:
+            self(step, {key: loss})
+        return len(rows)
 
     def write_csv(self, path: Path) -> None:
         """``step,loss`` rows, written atomically."""

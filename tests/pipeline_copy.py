@@ -41,7 +41,8 @@ def tiny_params(mlflow_uri: str, variants: list[str], experiment: str) -> dict:
 def copy_repo(dest: Path, params: dict, base_env: dict[str, str]) -> dict[str, str]:
     """Copy the repository's tracked and new files (not ``data/``, not ``dvc.lock``) to
     ``dest``, write ``params``, commit it as a new git repo; returns the environment its
-    commands run in (this interpreter's ``dvc`` and ``python`` first on PATH)."""
+    commands run in (this interpreter's ``dvc`` and ``python`` first on PATH, and as
+    ``HISR_PYTHON`` when it is not a venv's)."""
     listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
                             capture_output=True, text=True, check=True).stdout.split()
     for rel in listed:
@@ -50,11 +51,17 @@ def copy_repo(dest: Path, params: dict, base_env: dict[str, str]) -> dict[str, s
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, dest / rel)
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    # The stages run scripts/python, which takes the checkout's .venv: here this interpreter's
+    # (ignored by git, as a real checkout's is), or this interpreter itself outside a venv.
+    if sys.prefix != sys.base_prefix:
+        (dest / ".venv").symlink_to(sys.prefix, target_is_directory=True)
     env = dict(base_env)
     # One thread: a tiny model gains nothing from more, and a busy machine's oversubscribed
     # OpenMP threads would slow it many times over.
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
                PYTHONPATH=str(dest), DVC_NO_ANALYTICS="1", OMP_NUM_THREADS="1")
+    if sys.prefix == sys.base_prefix:
+        env["HISR_PYTHON"] = sys.executable
     # A local identity: `dvc exp run` commits, and a fresh machine may have none.
     for cmd in (["git", "init", "-q"], ["git", "config", "user.name", "pipeline test"],
                 ["git", "config", "user.email", "pipeline-test@localhost"],

@@ -56,7 +56,6 @@ from typing import Any
 
 from hisr_core.agent.react import format_response
 from hisr_core.envs.base import (
-    ADMISSIBLE_MARKER,
     NOTHING_HAPPENS,
     Environment,
     Episode,
@@ -221,19 +220,10 @@ class AlfWorldEpisode(Episode):
             raise RuntimeError("call reset() before admissible_commands()")
         return list(self._adm)
 
-    def _decorate(self, obs: str) -> str:
-        if self.show_admissible:
-            return obs + ADMISSIBLE_MARKER + ", ".join(self._adm)
-        return obs
-
     def step(self, action: str) -> StepResult:
-        if not self._ready:
-            raise RuntimeError("call reset() before step()")
-        if self.done:
-            raise RuntimeError("the episode is done; call reset() to play again")
+        self._start_turn()
         command = " ".join(action.lower().split())
         ok = command in self._adm
-        self._turns += 1
         obs, _, _, infos = self._env.step(command)
         self._won = bool(infos["won"])
         self._adm = list(infos["admissible_commands"])

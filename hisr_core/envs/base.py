@@ -108,8 +108,10 @@ class Episode(abc.ABC):
 
     task: Task
     max_turns: int
+    show_admissible: bool = False
     _turns: int = 0
     _won: bool = False
+    _ready: bool = False
 
     @abc.abstractmethod
     def reset(self) -> str:
@@ -140,19 +142,30 @@ class Episode(abc.ABC):
     def done(self) -> bool:
         return self.won or self.turns >= self.max_turns
 
+    def _start_turn(self) -> None:
+        """The guards of ``step`` (after ``reset``, before the end), then the turn counted."""
+        if not self._ready:
+            raise RuntimeError("call reset() before step()")
+        if self.done:
+            raise RuntimeError("the episode is done; call reset() to play again")
+        self._turns += 1
+
+    def _decorate(self, obs: str) -> str:
+        """``obs`` with the admissible commands appended under ``show_admissible``."""
+        if self.show_admissible:
+            return obs + ADMISSIBLE_MARKER + ", ".join(self.admissible_commands())
+        return obs
+
 
 class GoalEpisode(Episode):
     """An episode won when all its goal conditions hold, scored by the fraction that hold.
 
-    What every such environment does alike lives here: the turn count, the guards of
-    ``step``, the score, and the admissible commands appended to each observation under the
-    ``show_admissible`` option. A subclass sets ``task``, ``max_turns``, ``show_admissible``,
-    ``_turns = 0``, ``_won`` and ``_ready = True`` in ``reset``, and implements ``conditions``
-    and ``_act``.
+    What every such environment does alike lives here: ``step`` (:class:`Episode`'s guards
+    and turn count, then ``_act``, its observation with the admissible commands appended
+    under the ``show_admissible`` option) and the score. A subclass sets ``task``,
+    ``max_turns``, ``show_admissible``, ``_turns = 0``, ``_won`` and ``_ready = True`` in
+    ``reset``, and implements ``conditions`` and ``_act``.
     """
-
-    show_admissible: bool = False
-    _ready: bool = False
 
     @abc.abstractmethod
     def conditions(self) -> list[bool]:
@@ -172,17 +185,8 @@ class GoalEpisode(Episode):
         met = self.conditions()
         return sum(met) / len(met)
 
-    def _decorate(self, obs: str) -> str:
-        if self.show_admissible:
-            return obs + ADMISSIBLE_MARKER + ", ".join(self.admissible_commands())
-        return obs
-
     def step(self, action: str) -> StepResult:
-        if not self._ready:
-            raise RuntimeError("call reset() before step()")
-        if self.done:
-            raise RuntimeError("the episode is done; call reset() to play again")
-        self._turns += 1
+        self._start_turn()
         obs = self._act(action)
         return StepResult(observation=self._decorate(NOTHING_HAPPENS if obs is None else obs),
                           admissible=obs is not None, done=self.done, won=self._won,

@@ -14,9 +14,13 @@ from tasks.expert import expert_play, make_tasks
 @pytest.mark.slow
 def test_expert_flow_writes_contracted_outputs_and_mlflow_run(run_module, write_params, tmp_path,
                                                              mlflow_uri, experiment):
-    data = tmp_path / "data"
-    proc = run_module("flows.expert", "--params", str(write_params()), "--data", str(data))
+    data, params = tmp_path / "data", write_params()
+    proc = run_module("flows.expert", "--params", str(params), "--data", str(data))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The flow run is named after the stage (and the params file and data folder, which are
+    # not the defaults here), not Prefect's random adjective-animal.
+    assert f"Beginning flow run 'expert [params={params}, data={data}]'" in \
+        proc.stdout + proc.stderr
     for split, n in [("train", 24), ("valid_seen", 12), ("valid_unseen", 12)]:
         rows = contracts.read_rows(data / "tasks" / f"{split}.parquet", "tasks")
         assert len(rows) == n and {r["split"] for r in rows} == {split}

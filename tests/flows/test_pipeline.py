@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.conftest import _clean_env
-from tests.pipeline_copy import copy_repo, tiny_params
+from tests.pipeline_copy import ROOT, copy_repo, tiny_params
 
 pytestmark = pytest.mark.slow
 
@@ -97,6 +97,48 @@ def _flow_runs_since(env: dict[str, str], since: datetime) -> list[tuple[str, st
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [tuple(r) for r in json.loads(proc.stdout.splitlines()[-1])]
+
+
+def _without_venv(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this interpreter's folder taken off PATH: a shell that has not activated
+    the virtual environment, where ``python`` is whatever else PATH finds."""
+    venv_bin = Path(sys.executable).parent.resolve()
+    path = [p for p in env["PATH"].split(os.pathsep) if p and Path(p).resolve() != venv_bin]
+    return {**env, "PATH": os.pathsep.join(path)}
+
+
+def test_stage_runs_without_venv_on_path(repo):
+    """The README's ``.venv/bin/dvc repro``, from a shell that has not activated the venv: the
+    stage commands find the project's interpreter themselves (scripts/python)."""
+    copy, env = repo
+    proc = subprocess.run([str(copy / ".venv" / "bin" / "dvc"), "repro", "expert"], cwd=copy,
+                          env=_without_venv(env), capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert _ran(proc.stdout + proc.stderr) == {"expert"}
+    assert "scripts/python -m flows.expert" in proc.stdout
+    assert (copy / "data" / "expert" / "d_bc.parquet").stat().st_size > 0
+
+
+def test_project_python_says_what_is_missing(tmp_path):
+    """Without a .venv, HISR_PYTHON or a python3 that has the dependencies, scripts/python
+    fails with a message that says how to get one, not Python's ModuleNotFoundError."""
+    script = tmp_path / "scripts" / "python"
+    script.parent.mkdir()
+    script.write_bytes((ROOT / "scripts" / "python").read_bytes())
+    script.chmod(0o755)
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    proc = subprocess.run(["/bin/sh", str(script), "-c", "pass"], env={"PATH": str(empty)},
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 127
+    assert "scripts/setup.sh" in proc.stderr and "HISR_PYTHON" in proc.stderr
+    code = "import prefect, sys; print(sys.executable)"
+    with_env = subprocess.run(["/bin/sh", str(script), "-c", code],
+                              env={"PATH": str(empty), "HISR_PYTHON": sys.executable},
+                              capture_output=True, text=True, timeout=120, check=False)
+    assert with_env.returncode == 0, with_env.stderr
+    assert with_env.stdout.strip() == sys.executable
 
 
 def test_dvc_repro_end_to_end(repo):

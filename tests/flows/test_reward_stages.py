@@ -5,6 +5,7 @@ MLflow store."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from hisr_core.agent.models import build_builtin
 from hisr_core.envs import make_environment
 from hisr_core.rewards.modulation import POSITIONS
 from hisr_core.rl.loop import read_checkpoint_meta
+from tasks.logged_models import run_models
 from tests.household_data import rollout_rows
 
 VARIANTS = ["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo"]
@@ -110,6 +112,14 @@ def test_sprm_hindsight_and_rewards_stages(staged, run_module, write_params, mlf
     assert len(client.get_metric_history(runs["sprm"].info.run_id, "losses/sprm_turn")) == 3
     assert client.get_metric_history(runs["hindsight"].info.run_id, "losses/hindsight")
     assert "rewards/trajectories" in runs["rewards"].data.metrics
+    # The SPRMs and pi_hind are the runs' logged models, and they load and score.
+    models = {**run_models(runs["sprm"].info.run_id), **run_models(runs["hindsight"].info.run_id)}
+    assert {name: m.tags["hisr.kind"] for name, m in models.items()} == {
+        "sprm": "sprm", "sprm_turn": "sprm", "pi_hind": "pi_hind"}
+    for model in models.values():
+        [score] = mlflow.pyfunc.load_model(f"models:/{model.model_id}").predict(
+            ["Your task is to: put a clean apple in the fridge."])
+        assert math.isfinite(score)
 
 
 def _ppo_overrides() -> dict:
@@ -178,4 +188,6 @@ def test_ppo_stage_trains_resumes_and_logs(staged, run_module, write_params, mlf
     assert hisr[0].data.tags["seed"] == "0"
     history = mlflow.MlflowClient().get_metric_history(hisr[0].info.run_id, "rollout/success")
     assert sorted(m.step for m in history) == [1, 2]
+    policy = run_models(hisr[0].info.run_id)["policy-hisr-seed0"]
+    assert policy.tags["variant"] == "hisr" and policy.tags["hisr.kind"] == "policy"
     assert any(r.info.run_name == "ppo/rft/seed0" for r in runs)

@@ -76,7 +76,22 @@ def _run_sft_and_evaluate(run_module, tmp_path, expert_data, model, mlflow_uri, 
     history = client.get_metric_history(runs["sft"].info.run_id, "losses/sft")
     assert [m.step for m in history] == [1, 2, 3]
     assert "eval/valid_seen/success/all" in runs["evaluate/sft"].data.metrics
-    assert any(a.path == "pi_ref" for a in client.list_artifacts(runs["sft"].info.run_id))
+    # pi_ref is the run's logged model (its only copy in MLflow), READY, and it loads with the
+    # folder's weights and generates.
+    from mlflow.entities import LoggedModelStatus
+
+    from hisr_core.agent.models import load_model
+    from tasks.logged_models import run_models
+
+    model = run_models(runs["sft"].info.run_id)["pi_ref"]
+    assert model.status == LoggedModelStatus.READY and model.tags["hisr.kind"] == "policy"
+    assert not any(a.path == "pi_ref" for a in client.list_artifacts(runs["sft"].info.run_id))
+    loaded = mlflow.pyfunc.load_model(f"models:/{model.model_id}")
+    [text] = loaded.predict(["You are in the middle of a room."], params={"max_new_tokens": 4})
+    assert isinstance(text, str)
+    saved = load_model(pi_ref).state_dict()
+    weights = loaded.unwrap_python_model().model.state_dict()
+    assert saved.keys() == weights.keys() and all(saved[k].equal(weights[k]) for k in saved)
 
 
 @pytest.mark.slow

@@ -75,7 +75,9 @@ def _build() -> ModuleType | None:
     name = "hisr_decode_attention_" + hashlib.sha256(
         SOURCE.read_bytes() + flags.encode()).hexdigest()[:12]
     if not any((project_extensions_dir() / name).glob("*.so")):
-        log.info("building the decode-attention kernel (once for this CPU, ~20 s)")
+        # A print: INFO logs are hidden by default, and stages show prints (log_prints).
+        print(f"building the CPU decode kernel (first use, ~30 s; cached in "
+              f"{project_extensions_dir() / name})", flush=True)
     try:
         return load(name, [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
