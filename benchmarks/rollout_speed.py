@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,10 +23,6 @@ from pathlib import Path
 from _emit import emit  # benchmarks/, on the path when a benchmark runs as a script
 
 ROOT = Path(__file__).resolve().parents[1]
-try:
-    import hisr_core  # noqa: F401
-except ImportError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(ROOT))
 
 
 def _model_dir(arg: str | None, tmp: Path) -> tuple[Path, str]:

@@ -16,7 +16,6 @@ before the project's environment exists (the install step), with the Python that
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import resource
 import shutil
@@ -73,17 +72,6 @@ LORA_GPU = {"model": {"lora": {"enabled": True}},
 LORA_DRY = {"model": {"lora": {"enabled": True}}, "sft": {"max_steps": 2, "lr": 0.0005}}
 
 
-def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``over`` merged in: mappings key by key, anything else replaced."""
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
 def parse_set(items: list[str]) -> dict[str, Any]:
     """``section.key=value`` pairs (the value read as YAML) as one nested mapping."""
     import yaml
@@ -108,16 +96,16 @@ def write_params(mode: str, out: Path, vllm_port: int, sets: list[str],
     server) and ``params_lora.yaml`` (the LoRA SFT run). Returns their paths."""
     import yaml
 
-    from hisr_core.config import load_params
+    from hisr_core.config import load_params, merge_params
 
     overrides = GPU if mode == "gpu" else DRY
     tracking = {"tracking": {"mlflow_uri": f"sqlite:///{out / 'work' / 'mlflow.db'}",
                              "experiment": "gpu-check"}}
-    main = deep_merge(deep_merge(deep_merge(yaml.safe_load(base.read_text()), overrides),
-                                 tracking), parse_set(sets))
-    openai = deep_merge(main, {"rollout": {"backend": "openai", "openai": {
+    main = merge_params(merge_params(merge_params(yaml.safe_load(base.read_text()), overrides),
+                                     tracking), parse_set(sets))
+    openai = merge_params(main, {"rollout": {"backend": "openai", "openai": {
         "base_url": f"http://127.0.0.1:{vllm_port}/v1", "model": None}}})
-    lora = deep_merge(main, LORA_GPU if mode == "gpu" else LORA_DRY)
+    lora = merge_params(main, LORA_GPU if mode == "gpu" else LORA_DRY)
     paths = {}
     for name, data in (("params", main), ("params_openai", openai), ("params_lora", lora)):
         path = out / f"{name}.yaml"
