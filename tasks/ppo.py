@@ -31,6 +31,7 @@ from hisr_core.rl.loop import (
 )
 from hisr_core.train.engine import resolve_dtype, save_model_folder
 from hisr_core.train.sft import encode_trajectories, train_sft
+from tasks import checkpoints
 from tasks.caching import cached_task
 from tasks.files import write_csv
 from tasks.rollout import device
@@ -208,8 +209,11 @@ def train_rft(params: Params, pi_ref: Path, d_ct: Path, out_dir: Path, loss_csv:
     sft = params.sft.model_copy(update={"epochs": params.ppo.rft_epochs, "lr": params.ppo.rft_lr,
                                         "seed": params.ppo.seed})
     curve = LossCurve("sft", run_id)
+    checkpoint = checkpoints.for_output(out_dir / "policy", params, ["env", "model", "sft", "ppo"],
+                                        [pi_ref, d_ct], run_id)
     stats = train_sft(load_model(pi_ref, dtype=resolve_dtype(params.model.dtype)), tokenizer,
                       sequences, sft, params.model.dtype, curve, lora=params.ppo.lora,
-                      out_dir=out_dir / "policy")
+                      out_dir=out_dir / "policy", checkpoint=checkpoint)
     curve.write_csv(loss_csv)
+    checkpoints.finished(checkpoint)
     return {**stats, "trajectories": len(rows), "sequences": len(sequences)}
