@@ -33,7 +33,7 @@ from hisr_core.train.fit import epoch_batches
 from tests.hisr_core import ppo_worker
 from tests.household_data import rollout_rows
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(ppo_worker.__file__)
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 METRICS = ("losses/policy", "losses/value", "policy/kl", "policy/clipfrac", "policy/entropy",

@@ -113,5 +113,5 @@ def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     code = "from hisr_core.rollout.cpu.decode_attention import kernel; assert kernel() is not None"
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120,
-                   cwd=Path(__file__).resolve().parents[2])
+                   cwd=Path(__file__).resolve().parents[3])
     assert not lock.exists() and (tmp_path / "other_op" / "lock").exists()

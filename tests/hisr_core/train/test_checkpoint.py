@@ -201,3 +201,27 @@ def test_hindsight_stopped_resumes_and_keeps_only_trainable_weights(tiny_dir, tm
     assert stats["resumed_from"] == 4
     assert {k: v for k, v in ref_logs.losses.items() if k > 4} == resumed.losses
     assert_same_weights(final, ref_weights)
+
+
+@pytest.mark.slow
+def test_two_process_sft_stopped_by_sigterm_resumes_to_the_same_weights(tiny_dir, tmp_path):
+    """2 processes (torchrun, gloo); only rank 0 gets the signal, both stop after the same step
+    and each writes its RNG state; the rerun ends with the weights of a run never stopped."""
+    from tests.hisr_core.train.test_sft import run_worker
+
+    runs = {name: tmp_path / name for name in ("ref", "stopped", "resumed")}
+    for folder in runs.values():
+        folder.mkdir()
+    ref = run_worker(runs["ref"], tiny_dir, "torch", 2, 2, save=runs["ref"] / "model")
+    folder = tmp_path / "ckpt"
+    run_worker(runs["stopped"], tiny_dir, "torch", 2, 2,
+               extra=("--checkpoint", str(folder), "--stop-at", "2"), status=1)
+    meta = ckpt.read_meta(folder)
+    assert meta["step"] == 3 and meta["world_size"] == 2
+    assert (folder / "rng-0.pt").is_file() and (folder / "rng-1.pt").is_file()
+    resumed = run_worker(runs["resumed"], tiny_dir, "torch", 2, 2,
+                         save=runs["resumed"] / "model", extra=("--checkpoint", str(folder)))
+    assert resumed["summary"]["resumed_from"] == 3
+    assert resumed["steps"] == ref["steps"][3:] and resumed["losses"] == ref["losses"][3:]
+    assert_same_weights(weights(load_model(runs["resumed"] / "model")),
+                        weights(load_model(runs["ref"] / "model")))

@@ -28,7 +28,7 @@ from hisr_core.train.sft import IGNORE, ResponseNLL, collate, encode_trajectorie
 from tests.hf_fixtures import save_tiny_qwen
 from tests.hisr_core.train.sft_worker import GRAMMAR, corpus, make_rows, sft_params, train
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("sft_worker.py")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 N_ROWS, STEPS, MICRO = 12, 4, 2  # 12 sequences, global micro-batch 4, 2 per window: a short
@@ -218,7 +218,9 @@ def _free_port() -> int:
 
 
 def run_worker(tmp_path: Path, model: Path, backend: str, micro: int, nproc: int,
-               save: Path | None = None, extra: tuple[str, ...] = ()) -> dict:
+               save: Path | None = None, extra: tuple[str, ...] = (),
+               status: int = 0) -> dict | None:
+    """Run ``sft_worker.py``; its result, or ``None`` when it is to exit with ``status``."""
     out = tmp_path / f"{backend}-{nproc}.json"
     args = [str(WORKER), "--model", str(model), "--backend", backend, "--micro", str(micro),
             "--steps", str(STEPS), "--rows", str(N_ROWS), "--out", str(out), *extra]
@@ -234,8 +236,8 @@ def run_worker(tmp_path: Path, model: Path, backend: str, micro: int, nproc: int
     # cwd: the project root, so DeepSpeed's compiled CPU op is cached in its .cache folder.
     proc = subprocess.run([*launcher, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    assert proc.returncode == status, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()) if status == 0 else None
 
 
 def assert_same_curve(result: dict, reference: dict) -> None:
