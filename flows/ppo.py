@@ -117,6 +117,7 @@ def _worker(variant: str, seed: int | None, params_path: Path, data: Path) -> No
     from tasks.ppo import run_dirs, train_ppo, train_rft
 
     params = _load(params_path, variant, seed)
+    use_cache_dir(data / "cache" / "prefect")  # rft's fit checkpoint folder, as rank 0's
     out, checkpoint = run_dirs(data, variant, params.ppo.seed)
     if variant == "rft":
         train_rft.fn(params, data / "sft" / "pi_ref", data / "collect" / "d_ct.parquet",
