@@ -3,8 +3,6 @@ resumable from its checkpoint, or ``rft`` (fine-tuning ``pi_ref`` on its success
 
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from hisr_core.rl.loop import (
     setup,
     train,
 )
+from hisr_core.train.checkpoint import fingerprint as checkpoint_fingerprint
 from hisr_core.train.engine import resolve_dtype, save_model_folder
 from hisr_core.train.sft import encode_trajectories, train_sft
 from tasks import checkpoints
@@ -67,11 +66,7 @@ def run_dirs(data: Path, variant: str, seed: int) -> tuple[Path, Path]:
 def fingerprint(params: Params, variant: str, inputs: list[Path]) -> str:
     """What a checkpoint must match to be resumed: the params read and the input files'
     names, sizes and modification times."""
-    files = sorted(p for path in inputs for p in ([path] if path.is_file() else path.rglob("*"))
-                   if p.is_file())
-    stamp = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    blob = json.dumps([sections(params, variant), stamp], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
+    return checkpoint_fingerprint(sections(params, variant), inputs)
 
 
 def resumable(checkpoint: Path, fp: str) -> dict[str, Any] | None:

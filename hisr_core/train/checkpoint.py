@@ -75,10 +75,20 @@ def _trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (Python, NumPy, torch, CUDA when present)."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
 def save(folder: Path, engines: Mapping[str, Engine], info: DistInfo, backend: Backend,
-         meta: Mapping[str, Any]) -> float:
-    """Write a checkpoint of ``engines`` and this process's RNGs with ``meta``, replacing the
-    one in ``folder`` once complete. Collective. Returns the seconds it took."""
+         meta: Mapping[str, Any], rng: Mapping[str, Any] | None = None) -> float:
+    """Write a checkpoint of ``engines`` and this process's RNGs (``rng``: states taken
+    earlier, where the weights are) with ``meta``, replacing the one in ``folder`` once
+    complete. Collective. Returns the seconds it took."""
     start = time.perf_counter()
     folder = Path(folder)
     tmp = folder.with_name(f".{folder.name}.tmp")
@@ -94,11 +104,7 @@ def save(folder: Path, engines: Mapping[str, Engine], info: DistInfo, backend: B
             torch.save({"model": _trainable_state(engine.model),
                         "optimizer": engine.optimizer.state_dict(),
                         "scheduler": engine.scheduler.state_dict()}, tmp / f"{name}.pt")
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-           "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, tmp / f"rng-{info.rank}.pt")
+    torch.save(dict(rng) if rng is not None else rng_state(), tmp / f"rng-{info.rank}.pt")
     barrier()
     if info.is_main:
         full = {**meta, "world_size": info.world_size, "backend": backend}

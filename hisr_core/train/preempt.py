@@ -129,6 +129,21 @@ def deferred() -> Iterator[None]:
                                     "the training loop")
 
 
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Inside :func:`deferred`, a part that changes no training state (rollouts, scoring): there
+    a signal raises :class:`Preempted` at once (one received before, on entry), as outside a
+    training loop; the caller keeps the state the part started from."""
+    global _deferring
+    if _received:
+        raise stopped(_received[0], f"stopped by {signal.Signals(_received[0]).name}")
+    saved, _deferring = _deferring, 0
+    try:
+        yield
+    finally:
+        _deferring = saved
+
+
 def reset() -> None:
     """Forget the signals received (a process that goes on after a :class:`Preempted`, such as
     a test that resumes in the same process)."""

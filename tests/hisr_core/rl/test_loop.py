@@ -30,7 +30,7 @@ from hisr_core.rl.loop import (
 )
 from hisr_core.train.engine import DistInfo
 from hisr_core.train.fit import epoch_batches
-from tests.hisr_core import ppo_worker
+from tests.hisr_core.rl import ppo_worker
 from tests.household_data import rollout_rows
 
 ROOT = Path(__file__).resolve().parents[3]
