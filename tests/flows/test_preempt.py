@@ -143,3 +143,71 @@ def test_sigterm_stops_sft_cleanly_and_the_same_command_resumes(
     assert json.loads((data / "sft" / "metrics.json").read_text())["sft"]["resumed_from"] == \
         meta["step"]
     assert os.path.isdir(data / "sft" / "pi_ref")
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
+def _sft_outs(repo: Path) -> dict[str, str]:
+    """``path -> md5`` of the sft stage's outputs in ``dvc.lock``, but the metrics (they hold
+    wall times)."""
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    outs = lock["stages"]["sft"]["outs"]
+    return {o["path"]: o["md5"] for o in outs if not o["path"].endswith("metrics.json")}
+
+
+@pytest.mark.slow
+def test_sigterm_to_dvc_repro_then_repro_again_locks_what_an_uninterrupted_run_does(
+        tmp_path, prefect_api):
+    """SIGTERM to the process group of ``dvc repro sft`` (DVC and the stage, as a terminal's
+    Ctrl-C or a batch system does), then ``dvc repro sft`` again: the stage resumes from its
+    checkpoint and ``dvc.lock`` records the very ``pi_ref`` and loss curve of a ``dvc repro``
+    never interrupted (in another copy of the repository)."""
+    from tests.pipeline_copy import copy_repo, tiny_params
+
+    steps = 40
+    repos = {}
+    for name in ("straight", "stopped"):
+        params = tiny_params(f"sqlite:///{tmp_path / name}.db", ["ppo"], "preempt-dvc")
+        params["sft"].update(max_steps=steps, epochs=1000.0)
+        env = copy_repo(tmp_path / name, params, {**_clean_env(), **prefect_api})
+        repos[name] = (tmp_path / name, env)
+
+    repo, env = repos["straight"]
+    proc = subprocess.run(["dvc", "repro", "sft"], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=900, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+    repo, env = repos["stopped"]
+    log = tmp_path / "repro-stopped.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(["dvc", "repro", "sft"], cwd=repo, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 600
+            while f"| 3/{steps}" not in log.read_text():
+                assert proc.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, "sft did not start training in time"
+                time.sleep(0.2)
+            group = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(True))]
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+            # DVC itself dies at once; the stage takes its step and checkpoint first.
+            _, alive = psutil.wait_procs([p for p in map(_process, group) if p], timeout=30)
+            assert not alive, [p.cmdline() for p in alive]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert proc.returncode != 0
+    assert (repo / "data" / "cache" / "checkpoints" / "sft" / "pi_ref" / "meta.json").is_file(), \
+        log.read_text()[-3000:]
+    proc = subprocess.run(["dvc", "repro", "sft"], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=900, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "sft: resuming from its checkpoint after step" in proc.stdout + proc.stderr
+    assert _sft_outs(repo) == _sft_outs(repos["straight"][0])
