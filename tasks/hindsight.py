@@ -60,7 +60,6 @@ def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_
                       out_dir=out_dir, name="hindsight",
                       extra=lambda folder: save_gates(model, folder), checkpoint=checkpoint)
     curve.write_csv(loss_csv)
-    checkpoints.finished(checkpoint)
     gates = gate_values(model)
     report: dict[str, Any] = {"fit": {**stats, "examples": len(examples)},
                               "gates": {"mean": float(gates.mean()), "max": float(gates.max()),
@@ -74,4 +73,6 @@ def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_
         report["heldout"] = {"nll_hind": _nll(hind), "nll_ref": _nll(ref),
                              "trajectories": len(held),
                              "tokens": sum(len(x) for ep in hind for x in ep)}
+    # Kept through the evaluation: a stop there resumes from the last checkpoint, not step 0.
+    checkpoints.finished(checkpoint)
     return report

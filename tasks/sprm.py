@@ -59,9 +59,10 @@ def fit_sprm(params: Params, d_st: Path, pi_ref: Path, out_dir: Path, loss_csv: 
                               params.model.dtype, curve, out_dir=out_dir, name=name,
                               checkpoint=checkpoint)
     curve.write_csv(loss_csv)
-    checkpoints.finished(checkpoint)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     report = {"fit": stats, "train": evaluate(model, [trajectories[i] for i in train_idx], pad)}
     if len(held_idx) >= 2:
         report["heldout"] = evaluate(model, [trajectories[i] for i in held_idx], pad)
+    # Kept through the evaluation: a stop there resumes from the last checkpoint, not step 0.
+    checkpoints.finished(checkpoint)
     return report
