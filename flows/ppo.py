@@ -26,6 +26,7 @@ from typing import get_args
 from prefect import flow
 
 from hisr_core.config import Params, Variant
+from tasks.caching import use_cache_dir
 from tasks.cli import load_or_exit, require_all, stage_parser
 from tasks.stage import checks, run_name, run_stage
 from tasks.tracking import log_metrics
@@ -120,6 +121,7 @@ def _worker(variant: str, seed: int | None, params_path: Path, data: Path) -> No
     from tasks.ppo import run_dirs, train_ppo, train_rft
 
     params = _load(params_path, variant, seed)
+    use_cache_dir(data / "cache" / "prefect")  # rft's fit checkpoint folder, as rank 0's
     out, checkpoint = run_dirs(data, variant, params.ppo.seed)
     if variant == "rft":
         train_rft.fn(params, data / "sft" / "pi_ref", data / "collect" / "d_ct.parquet",

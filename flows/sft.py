@@ -18,6 +18,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from tasks.caching import use_cache_dir
 from tasks.cli import load_or_exit, stage_parser
 from tasks.models import check_model_source
 from tasks.stage import checks, run_name, run_stage
@@ -52,6 +53,7 @@ def _worker(params_path: Path, data: Path) -> None:
     from tasks.sft import prepare_base, train
 
     params = load_or_exit(params_path, _check)
+    use_cache_dir(data / "cache" / "prefect")  # the checkpoint folder rank 0 uses
     with tempfile.TemporaryDirectory() as work:
         base = prepare_base.fn(params, data / "expert" / "d_bc.parquet", Path(work) / "base")
         train.fn(params, base, data / "expert" / "d_bc.parquet", data / "sft" / "pi_ref", None, None)

@@ -170,6 +170,11 @@ class FitParams(Section):
     log_every: int = Field(10, ge=1)
     """Optimizer steps between logged losses."""
 
+    checkpoint_every_s: float = Field(600.0, gt=0)
+    """Seconds between checkpoints (weights or adapters, optimizer, schedule, RNG, data
+    position; only the last is kept, under ``<data>/cache/checkpoints``). A killed run
+    restarted with the same command resumes from it; SIGTERM / SIGINT also write one."""
+
 
 class SftParams(FitParams):
     """The ``sft`` stage: behaviour cloning of ``D_bc`` (NLL of response tokens only)."""

@@ -8,9 +8,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from hisr_core.config import Params, ParamsError, load_params
+from tasks.runtime import handle_stop_signals
 
 
 def stage_parser(description: str) -> argparse.ArgumentParser:
+    """The stage command's parser; from here on SIGTERM and SIGINT are a clean stop."""
+    handle_stop_signals()
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--params", type=Path, default=Path("params.yaml"),
                         help="parameters file: params.yaml or a profile over it, such as "

@@ -18,6 +18,7 @@ from hisr_core.train.engine import freeze_weights, resolve_dtype
 from hisr_core.train.fit import split_by_task
 from hisr_core.train.scoring import episode_of, turn_logprobs
 from hisr_core.train.sft import train_sft
+from tasks import checkpoints
 from tasks.caching import cached_task
 from tasks.tracking import LossCurve
 
@@ -53,9 +54,11 @@ def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_
                  cfg.pointer_rank, cfg.pointer_lr)
     if cfg.lr == 0:
         freeze_weights(model)
+    checkpoint = checkpoints.for_output(out_dir, params, ["env", "model", "hindsight"],
+                                        [d_ct, pi_ref], run_id)
     stats = train_sft(model, tokenizer, examples, cfg, params.model.dtype, curve, lora=cfg.lora,
                       out_dir=out_dir, name="hindsight",
-                      extra=lambda folder: save_gates(model, folder))
+                      extra=lambda folder: save_gates(model, folder), checkpoint=checkpoint)
     curve.write_csv(loss_csv)
     gates = gate_values(model)
     report: dict[str, Any] = {"fit": {**stats, "examples": len(examples)},
@@ -70,4 +73,6 @@ def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_
         report["heldout"] = {"nll_hind": _nll(hind), "nll_ref": _nll(ref),
                              "trajectories": len(held),
                              "tokens": sum(len(x) for ep in hind for x in ep)}
+    # Kept through the evaluation: a stop there resumes from the last checkpoint, not step 0.
+    checkpoints.finished(checkpoint)
     return report

@@ -3,8 +3,6 @@ resumable from its checkpoint, or ``rft`` (fine-tuning ``pi_ref`` on its success
 
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -29,8 +27,10 @@ from hisr_core.rl.loop import (
     setup,
     train,
 )
+from hisr_core.train.checkpoint import fingerprint as checkpoint_fingerprint
 from hisr_core.train.engine import resolve_dtype, save_model_folder
 from hisr_core.train.sft import encode_trajectories, train_sft
+from tasks import checkpoints
 from tasks.caching import cached_task
 from tasks.files import write_csv
 from tasks.rollout import device
@@ -66,11 +66,7 @@ def run_dirs(data: Path, variant: str, seed: int) -> tuple[Path, Path]:
 def fingerprint(params: Params, variant: str, inputs: list[Path]) -> str:
     """What a checkpoint must match to be resumed: the params read and the input files'
     names, sizes and modification times."""
-    files = sorted(p for path in inputs for p in ([path] if path.is_file() else path.rglob("*"))
-                   if p.is_file())
-    stamp = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    blob = json.dumps([sections(params, variant), stamp], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
+    return checkpoint_fingerprint(sections(params, variant), inputs)
 
 
 def resumable(checkpoint: Path, fp: str) -> dict[str, Any] | None:
@@ -208,8 +204,11 @@ def train_rft(params: Params, pi_ref: Path, d_ct: Path, out_dir: Path, loss_csv:
     sft = params.sft.model_copy(update={"epochs": params.ppo.rft_epochs, "lr": params.ppo.rft_lr,
                                         "seed": params.ppo.seed})
     curve = LossCurve("sft", run_id)
+    checkpoint = checkpoints.for_output(out_dir / "policy", params, ["env", "model", "sft", "ppo"],
+                                        [pi_ref, d_ct], run_id)
     stats = train_sft(load_model(pi_ref, dtype=resolve_dtype(params.model.dtype)), tokenizer,
                       sequences, sft, params.model.dtype, curve, lora=params.ppo.lora,
-                      out_dir=out_dir / "policy")
+                      out_dir=out_dir / "policy", checkpoint=checkpoint)
     curve.write_csv(loss_csv)
+    checkpoints.finished(checkpoint)
     return {**stats, "trajectories": len(rows), "sequences": len(sequences)}

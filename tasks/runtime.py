@@ -27,3 +27,47 @@ OFFLINE_ENV: dict[str, str] = {
 def configure_offline() -> None:
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
+
+
+def stop_servers() -> None:
+    """Stop the Prefect API server this process started (a uvicorn child process). Prefect
+    stops it in an ``atexit`` handler, which a signal's default action or ``os._exit`` skips."""
+    import sys
+
+    server_module = sys.modules.get("prefect.server.api.server")
+    if server_module is None:
+        return  # Prefect never started one here
+    for server in list(server_module.SubprocessASGIServer._instances.values()):
+        process = server.server_process
+        if process is None or process.poll() is not None:
+            continue
+        process.terminate()
+        try:
+            process.wait(timeout=3)
+        except Exception:  # noqa: BLE001 - it did not stop in time: end it
+            process.kill()
+            process.wait()
+
+
+def how_to_resume() -> str:
+    """The sentence a stopped stage ends with: the command that resumes it."""
+    import shlex
+    import sys
+
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    program = f"python -m {spec.name}" if spec is not None else f"python {sys.argv[0]}"
+    command = " ".join([program, *map(shlex.quote, sys.argv[1:])])
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return "run the same launcher command again to resume"
+    return f"run the same command again to resume: {command}"
+
+
+def handle_stop_signals() -> None:
+    """SIGTERM and SIGINT stop this process cleanly (see :mod:`hisr_core.train.preempt`):
+    training ends its step and writes a checkpoint, the MLflow run is left KILLED, servers this
+    process started are stopped, and the last line says how to resume."""
+    from hisr_core.train import preempt
+
+    preempt.install(how_to_resume())
+    preempt.on_stop(stop_servers)

@@ -12,6 +12,7 @@ from hisr_core.config import Params
 from hisr_core.envs import environment_class
 from hisr_core.train.engine import resolve_dtype
 from hisr_core.train.sft import encode_trajectories, train_sft
+from tasks import checkpoints
 from tasks.caching import cached_task
 from tasks.tracking import LossCurve
 
@@ -44,7 +45,8 @@ def prepare_base(params: Params, d_bc_path: Path, work_dir: Path) -> str:
              sections=["env", "model", "sft"], ignore=["run_id"])
 def train(params: Params, base: str, d_bc_path: Path, out_dir: Path, loss_csv: Path | None,
           run_id: str | None) -> dict[str, Any]:
-    """Behaviour cloning (NLL of response tokens only) of ``D_bc``; saves ``pi_ref``."""
+    """Behaviour cloning (NLL of response tokens only) of ``D_bc``; saves ``pi_ref``. Resumes
+    from its checkpoint after a stop (:mod:`tasks.checkpoints`)."""
     tokenizer = load_tokenizer(base)
     model = load_model(base, dtype=resolve_dtype(params.model.dtype))
     builder = PromptBuilder.of(tokenizer, params.model)
@@ -52,8 +54,11 @@ def train(params: Params, base: str, d_bc_path: Path, out_dir: Path, loss_csv: P
     grammar = environment_class(params.env.name).command_grammar
     sequences = encode_trajectories(rows, builder, grammar, params.sft.every_response)
     curve = LossCurve("sft", run_id)
+    checkpoint = checkpoints.for_output(out_dir, params, ["env", "model", "sft"],
+                                        [base, d_bc_path], run_id)
     stats = train_sft(model, tokenizer, sequences, params.sft, params.model.dtype, curve,
-                      lora=params.model.lora, out_dir=out_dir)
+                      lora=params.model.lora, out_dir=out_dir, checkpoint=checkpoint)
     if loss_csv is not None:
         curve.write_csv(loss_csv)
+    checkpoints.finished(checkpoint)
     return {**stats, "sequences": len(sequences), "trajectories": len(rows)}

@@ -15,6 +15,7 @@ from hisr_core.segment.segmenter import Segment, by_turn
 from hisr_core.train.engine import resolve_dtype
 from hisr_core.train.fit import split_by_task
 from hisr_core.train.scoring import episode_of
+from tasks import checkpoints
 from tasks.caching import cached_task
 from tasks.tracking import LossCurve
 
@@ -52,11 +53,16 @@ def fit_sprm(params: Params, d_st: Path, pi_ref: Path, out_dir: Path, loss_csv: 
         raise ValueError(f"{d_st} has no training trajectories")
     name = "sprm_turn" if turn_level else "sprm"
     curve = LossCurve(name, run_id)
+    checkpoint = checkpoints.for_output(out_dir, params, ["env", "segment", "model", "sprm"],
+                                        [d_st, pi_ref], run_id, turn_level=turn_level)
     model, stats = train_sprm(lm, tokenizer, [trajectories[i] for i in train_idx], cfg,
-                              params.model.dtype, curve, out_dir=out_dir, name=name)
+                              params.model.dtype, curve, out_dir=out_dir, name=name,
+                              checkpoint=checkpoint)
     curve.write_csv(loss_csv)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     report = {"fit": stats, "train": evaluate(model, [trajectories[i] for i in train_idx], pad)}
     if len(held_idx) >= 2:
         report["heldout"] = evaluate(model, [trajectories[i] for i in held_idx], pad)
+    # Kept through the evaluation: a stop there resumes from the last checkpoint, not step 0.
+    checkpoints.finished(checkpoint)
     return report

@@ -100,11 +100,22 @@ def stage_run(params: Params, stage: str, sections: Mapping[str, Any],
     """An MLflow run named ``stage``, a child of the pipeline's parent run, with ``sections``
     logged as params (and ``tags``), or the existing run ``resume`` continued (a stage
     restarted from its checkpoint). At the end, one line says what the stage read and wrote
-    and how long it took (also logged as ``time/stage_s``)."""
+    and how long it took (also logged as ``time/stage_s``).
+
+    Without ``resume``, a run that a checkpoint of a fit writing under ``writes`` names (a stage
+    stopped and restarted with the same params) is continued. A stage stopped by SIGTERM or
+    SIGINT leaves its run KILLED, not FAILED."""
     import mlflow
+
+    from hisr_core.train.preempt import Preempted
+    from tasks.checkpoints import run_to_resume
 
     use_experiment(params)
     start = time.perf_counter()
+    logged = {k: json.dumps(v) if not isinstance(v, str) else v
+              for k, v in flatten(sections).items()}
+    if resume is None:
+        resume = run_to_resume(writes, logged)
     if resume is not None:
         run_cm = mlflow.start_run(run_id=resume)
     else:
@@ -112,9 +123,13 @@ def stage_run(params: Params, stage: str, sections: Mapping[str, Any],
             "hisr.stage": stage, "mlflow.parentRunId": pipeline_run_id(params), **(tags or {})})
     with run_cm as run:
         if resume is None:
-            mlflow.log_params({k: json.dumps(v) if not isinstance(v, str) else v
-                               for k, v in flatten(sections).items()})
-        yield run
+            mlflow.log_params(logged)
+        try:
+            yield run
+        except Preempted:
+            # Stopped, to be resumed: the restarted stage continues this very run.
+            mlflow.end_run("KILLED")
+            raise
         seconds = time.perf_counter() - start
         mlflow.log_metric("time/stage_s", seconds)
     print(f"stage {stage}: read {', '.join(map(str, reads)) or '-'}; "
@@ -141,12 +156,26 @@ class LossCurve:
     The pipeline's parent run gets them too, under ``<stage run name>/``: the experiment's
     chart view shows only the runs listed, and it lists a pipeline's stage runs folded under
     their parent, so without its own copy every chart section there reads "No charts in this
-    section" until the parent is unfolded."""
+    section" until the parent is unfolded.
+
+    In a run that goes on after a stop, the loss logged before is read back: the curve keeps
+    the steps before the resume, and a step the resumed fit repeats (it had been logged after
+    the last checkpoint) with the same loss is not logged twice."""
 
     def __init__(self, name: str, run_id: str | None) -> None:
         self.name, self.run_id = name, run_id
-        self.points: list[tuple[int, float]] = []
+        self.logged: dict[int, float] = {}
+        if run_id is not None:
+            from mlflow import MlflowClient
+
+            history = MlflowClient().get_metric_history(run_id, f"losses/{name}")
+            self.logged = {m.step: m.value for m in history}
+        self.curve: dict[int, float] = dict(self.logged)
         self._parent: tuple[str, str] | None = None
+
+    @property
+    def points(self) -> list[tuple[int, float]]:
+        return sorted(self.curve.items())
 
     def _mirror(self) -> tuple[str, str] | None:
         """(parent run id, key prefix) of the run, if it has a parent; looked up once."""
@@ -159,8 +188,9 @@ class LossCurve:
         return self._parent if self._parent[0] else None
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        self.points.append((step, metrics[f"losses/{self.name}"]))
-        if self.run_id is not None:
+        loss = metrics[f"losses/{self.name}"]
+        self.curve[step] = loss
+        if self.run_id is not None and self.logged.get(step) != loss:
             import mlflow
 
             mlflow.log_metrics(metrics, step=step, run_id=self.run_id)

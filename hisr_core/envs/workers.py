@@ -17,6 +17,9 @@ process, which over the 3,554 training games would grow one process past 10 GB.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import threading
+import time
 import traceback
 from collections.abc import Hashable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -29,7 +32,25 @@ from hisr_core.envs.base import ExpertEpisode, StepResult, Task
 GAMES_PER_PROCESS = 50
 
 
-def _worker(conn: Connection, env_name: str, max_turns: int, options: dict[str, Any]) -> None:
+def exit_with_parent(parent: int, every_s: float = 0.5) -> None:
+    """End this worker process soon after its parent process ``parent`` is gone.
+
+    A parent killed outright (SIGKILL, the second signal of an impatient stop) runs no cleanup;
+    its workers would live on as orphans, stepping nothing and holding memory. A daemon
+    thread watches the parent id (portable, unlike Linux's parent-death signal, which follows
+    the parent *thread*)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
+def _worker(conn: Connection, env_name: str, max_turns: int, options: dict[str, Any],
+            parent: int) -> None:
+    exit_with_parent(parent)
     from hisr_core.envs import make_environment
 
     env = make_environment(env_name, max_turns, **options)
@@ -76,7 +97,8 @@ class EnvWorkers:
         self._procs: list[Any] = []
         for i in range(n):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(child, env_name, max_turns, dict(options)),
+            proc = ctx.Process(target=_worker,
+                               args=(child, env_name, max_turns, dict(options), os.getpid()),
                                daemon=True, name=f"env-worker-{i}")
             proc.start()
             child.close()
@@ -208,7 +230,9 @@ def expert_episodes(env_name: str, max_turns: int, options: dict[str, Any],
     # spawn: never fork a process holding torch threads.
     per_pool = workers * (games_per_process or GAMES_PER_PROCESS)
     for first in range(0, len(tasks), per_pool):
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
+                                 initializer=exit_with_parent,
+                                 initargs=(os.getpid(),)) as pool:
             futures = [pool.submit(_expert_game, env_name, max_turns, options, t.to_row(),
                                    slip_rate) for t in tasks[first:first + per_pool]]
             try:

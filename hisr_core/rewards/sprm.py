@@ -31,7 +31,7 @@ from hisr_core.agent.prompts import Encoded, PromptBuilder
 from hisr_core.config import SprmParams
 from hisr_core.segment.segmenter import Segment
 from hisr_core.train.engine import barrier, save_model_folder, unwrap_hf
-from hisr_core.train.fit import LogFn, fit, setup
+from hisr_core.train.fit import Checkpoint, LogFn, fit, setup
 from hisr_core.train.scoring import length_batches, right_pad, scoring_sequences
 
 HEAD_FILE = "sprm_head.safetensors"
@@ -163,16 +163,19 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> SprmBatch:
 def train_sprm(lm: nn.Module, tokenizer: PreTrainedTokenizerBase,
                trajectories: Sequence[Trajectory], params: SprmParams,
                dtype: str | torch.dtype = "auto", on_log: LogFn | None = None,
-               progress: bool = True, out_dir: str | Path | None = None, name: str = "sprm"
+               progress: bool = True, out_dir: str | Path | None = None, name: str = "sprm",
+               checkpoint: Checkpoint | None = None
                ) -> tuple[SegmentRewardModel, dict[str, Any]]:
     """Fit the SPRM (backbone ``lm``, fully or with LoRA, and a new head) on ``trajectories``;
-    optionally save it. ``on_log`` gets ``losses/<name>`` (squared error per trajectory)."""
+    optionally save it. ``on_log`` gets ``losses/<name>`` (squared error per trajectory);
+    ``checkpoint``: resumable checkpoints (see :func:`hisr_core.train.fit.fit`)."""
     lm, info, backend = setup(lm, params, params.lora)
     model = SegmentRewardModel(lm, params.head_dim)  # after setup: the head follows the seed
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     engine, stats = fit(model, model, [t.n_tokens for t in trajectories],
                         lambda idx: collate([trajectories[i] for i in idx], pad_id), params, info,
-                        backend, dtype, name=name, on_log=on_log, progress=progress)
+                        backend, dtype, name=name, on_log=on_log, progress=progress,
+                        checkpoint=checkpoint)
     if out_dir is not None:
         with engine.full_weights():
             if info.is_main:

@@ -24,16 +24,13 @@ same global micro-batches as one process would (:func:`hisr_core.train.fit.epoch
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import random
-import shutil
+import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
@@ -60,6 +57,8 @@ from hisr_core.rl.ppo import (
 from hisr_core.rollout.engine import Sampling, play
 from hisr_core.rollout.hf import HFGenerator, resolve_kv_dtype
 from hisr_core.segment.segmenter import Segment, by_turn, segment_offline, validate
+from hisr_core.train import checkpoint as ckpt
+from hisr_core.train import preempt
 from hisr_core.train.engine import (
     Backend,
     DistInfo,
@@ -652,30 +651,32 @@ def run_iteration(learner: Learner, frozen: Frozen, inputs: Inputs, iteration: i
     """Steps 1-6 of one iteration; returns its metrics (same names on every variant)."""
     cfg, info = learner.cfg, learner.info
     t0 = time.perf_counter()
-    # 1. collect: this process's share of the iteration's tasks (whole groups).
-    if cfg.mode == "online":
-        if inputs.env is None:
-            raise ValueError("online PPO needs an environment and training tasks")
-        chosen = iteration_tasks(inputs.tasks, cfg, iteration)[info.rank::info.world_size]
-        rows = collect(learner.policy_model, inputs.builder, inputs.env,
-                       [inputs.tasks[i] for i in chosen], cfg, inputs.max_new_tokens,
-                       inputs.batch_size, iteration, inputs.progress and info.is_main,
-                       inputs.kv_dtype)
-        keys = [(i, s) for i in chosen for s in range(cfg.samples_per_task)]
-        # 2. segment
-        segments = segment(rows, learner.variant, inputs.segmenter, inputs.verbs,
-                           inputs.entropy_threshold, inputs.entropy_min_turns)
-    else:
-        chosen = iteration_tasks(inputs.rows, cfg, iteration)[info.rank::info.world_size]
-        rows = [dict(inputs.rows[i]) for i in chosen]
-        keys = [(i, 0) for i in chosen]
-        segments = [[Segment.from_row(s) for s in r["segments"]] for r in rows]
-    t1 = time.perf_counter()
-    # 3. score, 4. fuse, 5. advantages
-    scored = score(learner, frozen, inputs.builder, inputs.grammar, rows, segments,
-                   inputs.window, cfg.max_batch_tokens, inputs.progress and info.is_main)
-    fuse(scored, learner.variant, inputs.beta, inputs.alpha)
-    samples = gather_samples(advantages(scored, keys, learner.variant, cfg), info)
+    # Steps 1-5 change no weights: a stop there abandons the iteration at once (see train).
+    with preempt.interruptible():
+        # 1. collect: this process's share of the iteration's tasks (whole groups).
+        if cfg.mode == "online":
+            if inputs.env is None:
+                raise ValueError("online PPO needs an environment and training tasks")
+            chosen = iteration_tasks(inputs.tasks, cfg, iteration)[info.rank::info.world_size]
+            rows = collect(learner.policy_model, inputs.builder, inputs.env,
+                           [inputs.tasks[i] for i in chosen], cfg, inputs.max_new_tokens,
+                           inputs.batch_size, iteration, inputs.progress and info.is_main,
+                           inputs.kv_dtype)
+            keys = [(i, s) for i in chosen for s in range(cfg.samples_per_task)]
+            # 2. segment
+            segments = segment(rows, learner.variant, inputs.segmenter, inputs.verbs,
+                               inputs.entropy_threshold, inputs.entropy_min_turns)
+        else:
+            chosen = iteration_tasks(inputs.rows, cfg, iteration)[info.rank::info.world_size]
+            rows = [dict(inputs.rows[i]) for i in chosen]
+            keys = [(i, 0) for i in chosen]
+            segments = [[Segment.from_row(s) for s in r["segments"]] for r in rows]
+        t1 = time.perf_counter()
+        # 3. score, 4. fuse, 5. advantages
+        scored = score(learner, frozen, inputs.builder, inputs.grammar, rows, segments,
+                       inputs.window, cfg.max_batch_tokens, inputs.progress and info.is_main)
+        fuse(scored, learner.variant, inputs.beta, inputs.alpha)
+        samples = gather_samples(advantages(scored, keys, learner.variant, cfg), info)
     t2 = time.perf_counter()
     # 6. update
     metrics = update(learner, samples, _pad_id(inputs.builder), iteration)
@@ -697,7 +698,14 @@ def run_iteration(learner: Learner, frozen: Frozen, inputs: Inputs, iteration: i
 
 
 # -- 7. the loop, 8. checkpoints -------------------------------------------------------------------
-CHECKPOINT_META = "meta.json"
+CHECKPOINT_META = ckpt.META
+
+
+def _stop_everywhere(info: DistInfo, device: torch.device) -> bool:
+    """Whether any process was asked to stop (every process gets the same answer)."""
+    flag = torch.tensor([float(preempt.requested() is not None)], dtype=torch.float64,
+                        device=device)
+    return bool(all_reduce_sum(flag).item())
 
 
 def train(learner: Learner, frozen: Frozen, inputs: Inputs, start: int = 0,
@@ -706,72 +714,72 @@ def train(learner: Learner, frozen: Frozen, inputs: Inputs, start: int = 0,
           progress: bool = True) -> list[dict[str, float]]:
     """Iterations ``start .. iterations-1``; ``on_log(iteration, metrics)`` on rank 0 after
     each; a checkpoint (with ``extra`` in its meta) every ``checkpoint_every`` iterations and
-    after the last. Returns every iteration's metrics (rank 0's view; all are global)."""
+    after the last. Returns every iteration's metrics (rank 0's view; all are global).
+
+    SIGTERM / SIGINT: during rollouts and scoring (which change no weights) the iteration is
+    abandoned at once and the checkpoint holds the state it started from (its RNG states
+    included, so the rerun plays it again identically); during the update, the update ends
+    first and the checkpoint holds the iteration done. Then
+    :class:`~hisr_core.train.preempt.Preempted` is raised."""
     from tqdm.auto import tqdm
 
     cfg, info = learner.cfg, learner.info
     history = []
     bar = tqdm(total=cfg.iterations, initial=start, desc=f"ppo {learner.variant}", unit="it",
                disable=not (progress and info.is_main), dynamic_ncols=True)
-    for iteration in range(start, cfg.iterations):
-        metrics = run_iteration(learner, frozen, inputs, iteration)
-        history.append(metrics)
-        done = iteration + 1
-        if info.is_main and on_log is not None:
-            on_log(done, metrics)
-        bar.update(1)
-        bar.set_postfix(success=f"{metrics['rollout/success']:.3f}",
-                        reward=f"{metrics['rewards/fused_mean']:.3f}")
-        if checkpoint is not None and (done % cfg.checkpoint_every == 0 or done == cfg.iterations):
-            save_checkpoint(learner, checkpoint, done, extra or {})
+    name = f"ppo {learner.variant}"
+    where = f"checkpoint in {checkpoint}" if checkpoint is not None else "no checkpoint"
+    with preempt.deferred():
+        for iteration in range(start, cfg.iterations):
+            rng = ckpt.rng_state()
+            try:
+                metrics = run_iteration(learner, frozen, inputs, iteration)
+            except preempt.Preempted as stop:
+                if checkpoint is not None:
+                    save_checkpoint(learner, checkpoint, iteration, extra or {}, rng=rng)
+                bar.close()
+                raise preempt.stopped(stop.signum, f"{name}: stopped by "
+                                      f"{signal.Signals(stop.signum).name} during iteration "
+                                      f"{iteration + 1} of {cfg.iterations} (redone on "
+                                      f"resume); {where}") from None
+            history.append(metrics)
+            done = iteration + 1
+            if info.is_main and on_log is not None:
+                on_log(done, metrics)
+            bar.update(1)
+            bar.set_postfix(success=f"{metrics['rollout/success']:.3f}",
+                            reward=f"{metrics['rewards/fused_mean']:.3f}")
+            stop = _stop_everywhere(info, learner.policy.device)
+            if checkpoint is not None and (stop or done % cfg.checkpoint_every == 0
+                                           or done == cfg.iterations):
+                save_checkpoint(learner, checkpoint, done, extra or {})
+            if stop:
+                bar.close()
+                raise preempt.stopped(preempt.requested() or signal.SIGTERM,
+                                      f"{name}: stopped by "
+                                      f"{signal.Signals(preempt.requested() or 15).name} "
+                                      f"after iteration {done} of {cfg.iterations}; {where}")
     bar.close()
     return history
 
 
-def _engines(learner: Learner) -> list[tuple[str, Engine]]:
-    return [(n, e) for n, e in (("policy", learner.policy), ("critic", learner.critic))
-            if e is not None]
+def _engines(learner: Learner) -> dict[str, Engine]:
+    return {n: e for n, e in (("policy", learner.policy), ("critic", learner.critic))
+            if e is not None}
 
 
 def save_checkpoint(learner: Learner, folder: Path, iteration: int,
-                    extra: Mapping[str, Any]) -> None:
-    """Policy, critic, optimizers, schedules, every process's RNG states and the iteration
-    count, written to a sibling folder that replaces ``folder`` only when complete (a kill at
-    any moment leaves the previous checkpoint). Collective: every process calls it."""
-    folder = Path(folder)
-    tmp = folder.with_name(f".{folder.name}.tmp")
-    info = learner.info
-    if info.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    for name, engine in _engines(learner):
-        if learner.backend == "deepspeed":
-            engine.module.save_checkpoint(str(tmp / name), tag="state")
-        elif info.is_main:
-            torch.save({"model": engine.model.state_dict(),
-                        "optimizer": engine.optimizer.state_dict(),
-                        "scheduler": engine.scheduler.state_dict()}, tmp / f"{name}.pt")
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                "numpy": np.random.get_state()}, tmp / f"rng-{info.rank}.pt")
-    barrier()
-    if info.is_main:
-        meta = {"iteration": iteration, "world_size": info.world_size,
-                "backend": learner.backend, "variant": learner.variant, **extra}
-        (tmp / CHECKPOINT_META).write_text(json.dumps(meta, indent=2) + "\n")
-        old = folder.with_name(f".{folder.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if folder.exists():
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    barrier()
+                    extra: Mapping[str, Any], rng: Mapping[str, Any] | None = None) -> None:
+    """Policy, critic, optimizers, schedules, every process's RNG states (``rng``: taken
+    earlier) and the iteration count, atomically (:func:`hisr_core.train.checkpoint.save`).
+    Collective: every process calls it."""
+    ckpt.save(folder, _engines(learner), learner.info, learner.backend,
+              {"iteration": iteration, "variant": learner.variant, **extra}, rng=rng)
 
 
 def read_checkpoint_meta(folder: Path) -> dict[str, Any] | None:
     """The meta of the checkpoint in ``folder`` (``None``: there is none)."""
-    path = Path(folder) / CHECKPOINT_META
-    return json.loads(path.read_text()) if path.is_file() else None
+    return ckpt.read_meta(folder)
 
 
 def load_checkpoint(learner: Learner, folder: Path) -> dict[str, Any] | None:
@@ -780,26 +788,10 @@ def load_checkpoint(learner: Learner, folder: Path) -> dict[str, Any] | None:
     meta = read_checkpoint_meta(folder)
     if meta is None:
         return None
-    info = learner.info
-    for key, have in (("world_size", info.world_size), ("backend", learner.backend),
-                      ("variant", learner.variant)):
-        if meta.get(key) != have:
-            raise ValueError(f"checkpoint {folder} was written with {key}={meta.get(key)!r}, "
-                             f"this run has {have!r}; delete it to start afresh")
-    for name, engine in _engines(learner):
-        if learner.backend == "deepspeed":
-            engine.module.load_checkpoint(str(Path(folder) / name), tag="state")
-        else:
-            state = torch.load(Path(folder) / f"{name}.pt", weights_only=False,
-                               map_location=engine.device)
-            engine.model.load_state_dict(state["model"])
-            engine.optimizer.load_state_dict(state["optimizer"])
-            engine.scheduler.load_state_dict(state["scheduler"])
-    rng = torch.load(Path(folder) / f"rng-{info.rank}.pt", weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    return meta
+    if meta.get("variant") != learner.variant:
+        raise ValueError(f"checkpoint {folder} was written with variant={meta.get('variant')!r}, "
+                         f"this run has {learner.variant!r}; delete it to start afresh")
+    return ckpt.load(folder, _engines(learner), learner.info, learner.backend)
 
 
 def save_critic(critic: ValueModel, out_dir: str | Path,

@@ -10,15 +10,23 @@ the SPRM) in the whole global batch, so the gradient is::
 
 whatever the split into processes and micro-batches: 2 processes with micro-batch b and one
 process with micro-batch 2b take the same steps.
+
+With a :class:`Checkpoint` the loop writes one every ``checkpoint_every_s`` seconds and when a
+SIGTERM or SIGINT stops it (after the optimizer step under way); the same call after a kill
+resumes from it and ends with the same weights, data order and losses as a run never stopped.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import random
+import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -26,6 +34,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from hisr_core.config import FitParams, LoraParams
+from hisr_core.train import checkpoint as ckpt
+from hisr_core.train import preempt
 from hisr_core.train.engine import (
     Backend,
     DistInfo,
@@ -106,19 +116,59 @@ def count_steps(n_sequences: int, global_batch: int, world_size: int, grad_accum
 
 
 def step_windows(lengths: Sequence[int], micro_batch_size: int, grad_accum: int, seed: int,
-                 info: DistInfo, total_steps: int) -> Iterator[list[list[int]]]:
+                 info: DistInfo, total_steps: int, skip: int = 0) -> Iterator[list[list[int]]]:
     """This rank's micro-batches of each optimizer step: ``grad_accum`` of them (fewer at the end
-    of an epoch), epoch after epoch (new order each), for ``total_steps`` steps."""
+    of an epoch), epoch after epoch (new order each), for ``total_steps`` steps; the first
+    ``skip`` steps' are left out (a resumed run: the order depends on the seed only)."""
     global_batch = micro_batch_size * info.world_size
     done, epoch = 0, 0
-    while True:
+    while done < total_steps:
         batches = epoch_batches(lengths, global_batch, seed, epoch, min_size=info.world_size)
         for start in range(0, len(batches), grad_accum):
-            yield [rank_slice(b, info) for b in batches[start:start + grad_accum]]
+            if done >= skip:
+                yield [rank_slice(b, info) for b in batches[start:start + grad_accum]]
             done += 1
             if done == total_steps:
                 return
         epoch += 1
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """Where a fit keeps its checkpoint (outside any stage output) and what it belongs to.
+
+    ``fingerprint``: of the caller's params and inputs (:func:`hisr_core.train.checkpoint.
+    fingerprint`); the fit adds its own (the fit params, the examples' lengths, processes,
+    backend). ``meta``: more for the checkpoint's ``meta.json`` (the MLflow run it logs to).
+    """
+
+    folder: Path
+    fingerprint: str
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+#: Fit params that change neither the result nor the logged curve: a checkpoint written under
+#: another value is resumed.
+NOT_FINGERPRINTED = {"checkpoint_every_s"}
+
+
+def _fit_fingerprint(checkpoint: Checkpoint, params: FitParams, lengths: Sequence[int],
+                     name: str, info: DistInfo, backend: Backend, dtype: torch.dtype) -> str:
+    blob = json.dumps([checkpoint.fingerprint, name,
+                       params.model_dump(mode="json", exclude=NOT_FINGERPRINTED),
+                       hashlib.sha256(json.dumps(list(lengths)).encode()).hexdigest(),
+                       info.world_size, backend, str(dtype)], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _stop(signum: int | None, step: int, total_steps: int, name: str,
+          folder: Path | None) -> preempt.Preempted:
+    signum = signum or signal.SIGTERM  # a rank stopped by another's signal
+    where = (f"checkpoint in {folder}" if folder is not None
+             else "no checkpoint (none configured)")
+    return preempt.stopped(signum, f"{name}: stopped by {signal.Signals(signum).name} after "
+                                   f"step {step} of {total_steps}; {where}")
 
 
 # -- the loop: one function per step ----------------------------------------------------------------
@@ -132,6 +182,8 @@ class _Meter:
     last_log_time: float = 0.0
     last_log_tokens: int = 0
     loss: float = float("nan")
+    checkpoints: int = 0
+    checkpoint_s: float = 0.0
 
 
 def setup(model: nn.Module, fit: FitParams, lora: LoraParams | None
@@ -198,7 +250,8 @@ def _report(step: int, total_steps: int, meter: _Meter, optim: dict[str, float],
 def fit(module: nn.Module, model: nn.Module, lengths: Sequence[int],
         load: Callable[[list[int]], MicroBatch], params: FitParams, info: DistInfo,
         backend: Backend, dtype: str | torch.dtype = "auto", *, name: str,
-        on_log: LogFn | None = None, progress: bool = True) -> tuple[Engine, dict[str, Any]]:
+        on_log: LogFn | None = None, progress: bool = True,
+        checkpoint: Checkpoint | None = None) -> tuple[Engine, dict[str, Any]]:
     """Train ``module`` (a loss module holding ``model``, already set up by :func:`setup`) on
     examples ``0..len(lengths)-1``; ``load(indices)`` collates a micro-batch of them.
 
@@ -206,35 +259,77 @@ def fit(module: nn.Module, model: nn.Module, lengths: Sequence[int],
     loss per unit of the step), ``perf/tokens_per_s`` (real tokens, all ranks, since the last
     log), ``optim/lr`` and ``optim/grad_norm``. Returns the engine (to save from) and the
     summary: ``steps``, ``loss`` (last step), ``tokens``, ``units``, ``seconds``,
-    ``tokens_per_s``, ``backend``, ``world_size``.
+    ``tokens_per_s``, ``backend``, ``world_size``, ``resumed_from`` (steps done before this
+    call), ``checkpoints`` and ``checkpoint_s`` (written by this call, seconds spent).
+
+    With ``checkpoint``: resumes from the checkpoint in its folder when it belongs to this very
+    fit (another is discarded), writes one every ``params.checkpoint_every_s`` seconds, and on
+    SIGTERM or SIGINT ends the step under way, writes one and raises
+    :class:`~hisr_core.train.preempt.Preempted`. The caller removes it once its outputs are
+    written (:func:`hisr_core.train.checkpoint.remove`).
     """
+    dtype = resolve_dtype(dtype)
     total_steps = count_steps(len(lengths), params.micro_batch_size * info.world_size,
                               info.world_size, params.grad_accum, params.epochs, params.max_steps)
-    engine = build_engine(module, _optim_spec(params, total_steps), backend,
-                          resolve_dtype(dtype), info, model=model)
+    engine = build_engine(module, _optim_spec(params, total_steps), backend, dtype, info,
+                          model=model)
+    engines = {"engine": engine}
+    meta, folder, fp = None, None, ""
+    if checkpoint is not None:
+        folder = Path(checkpoint.folder)
+        fp = _fit_fingerprint(checkpoint, params, lengths, name, info, backend, dtype)
+        if ckpt.keep_if_matching(folder, fp, info) is not None:
+            meta = ckpt.load(folder, engines, info, backend)
+    done = meta["step"] if meta else 0
+    if done and info.is_main:
+        print(f"{name}: resuming from its checkpoint after step {done} of {total_steps}")
     windows = step_windows(lengths, params.micro_batch_size, params.grad_accum, params.seed, info,
-                           total_steps)
-    bar = tqdm(total=total_steps, desc=name, disable=not (progress and info.is_main),
-               dynamic_ncols=True)
-    meter = _Meter(start=time.perf_counter())
-    meter.last_log_time = meter.start
+                           total_steps, skip=done)
+    bar = tqdm(total=total_steps, initial=done, desc=name,
+               disable=not (progress and info.is_main), dynamic_ncols=True)
+    now = time.perf_counter()
+    meter = _Meter(start=now - (meta["seconds"] if meta else 0.0))
+    if meta:
+        meter.tokens, meter.units, meter.loss = meta["tokens"], meta["units"], meta["loss"]
+    meter.last_log_time, meter.last_log_tokens = now, meter.tokens
+    last_save = now
     engine.module.train()
-    for step, window in enumerate(windows, start=1):
-        batches = [load(mb).to(engine.device) for mb in window]
-        n_units, n_tokens = _global_counts(batches, engine.device)
-        local = _accumulate(engine, batches, n_units)
-        optim = engine.step()
-        meter.loss = float(all_reduce_sum(local)) / max(1, n_units)
-        meter.tokens += n_tokens
-        meter.units += n_units
-        _report(step, total_steps, meter, optim, name, params.log_every,
-                on_log if info.is_main else None, bar)
+    with preempt.deferred():
+        for step, window in enumerate(windows, start=done + 1):
+            batches = [load(mb).to(engine.device) for mb in window]
+            n_units, n_tokens = _global_counts(batches, engine.device)
+            local = _accumulate(engine, batches, n_units)
+            optim = engine.step()
+            # One reduction carries the loss and the decisions every rank must share: a stop
+            # (any rank's signal) and a timed checkpoint (rank 0's clock).
+            due = (checkpoint is not None and info.is_main
+                   and time.perf_counter() - last_save >= params.checkpoint_every_s)
+            flags = torch.tensor([float(local), float(preempt.requested() is not None),
+                                  float(due)], dtype=torch.float64, device=engine.device)
+            loss_sum, stop, due = all_reduce_sum(flags).tolist()
+            meter.loss = loss_sum / max(1, n_units)
+            meter.tokens += n_tokens
+            meter.units += n_units
+            _report(step, total_steps, meter, optim, name, params.log_every,
+                    on_log if info.is_main else None, bar)
+            if folder is not None and (stop or (due and step < total_steps)):
+                meter.checkpoints += 1
+                meter.checkpoint_s += ckpt.save(folder, engines, info, backend, {
+                    **(checkpoint.meta if checkpoint else {}), "fingerprint": fp, "name": name,
+                    "step": step, "total_steps": total_steps, "tokens": meter.tokens,
+                    "units": meter.units, "loss": meter.loss,
+                    "seconds": time.perf_counter() - meter.start})
+                last_save = time.perf_counter()
+            if stop:
+                bar.close()
+                raise _stop(preempt.requested(), step, total_steps, name, folder)
     bar.close()
     seconds = time.perf_counter() - meter.start
     return engine, {"steps": total_steps, "loss": meter.loss, "tokens": meter.tokens,
                     "units": meter.units, "seconds": seconds,
                     "tokens_per_s": meter.tokens / max(seconds, 1e-9), "backend": backend,
-                    "world_size": info.world_size}
+                    "world_size": info.world_size, "resumed_from": done,
+                    "checkpoints": meter.checkpoints, "checkpoint_s": meter.checkpoint_s}
 
 
 def split_by_task(task_ids: Sequence[str], holdout: float, seed: int) -> tuple[list[int], list[int]]:

@@ -28,7 +28,7 @@ from hisr_core.agent.prompts import Encoded, PromptBuilder
 from hisr_core.config import FitParams, LoraParams
 from hisr_core.rewards.gated_attention import forward_kwargs
 from hisr_core.train.engine import lm_parts
-from hisr_core.train.fit import LogFn, fit, setup
+from hisr_core.train.fit import Checkpoint, LogFn, fit, setup
 from hisr_core.train.scoring import right_pad
 
 IGNORE = -100
@@ -147,7 +147,8 @@ def train_sft(model: nn.Module, tokenizer: PreTrainedTokenizerBase, sequences: S
               sft: FitParams, dtype: str | torch.dtype = "auto", on_log: LogFn | None = None,
               progress: bool = True, *, lora: LoraParams | None = None,
               out_dir: str | Path | None = None, name: str = "sft",
-              extra: Callable[[Path], None] | None = None) -> dict[str, Any]:
+              extra: Callable[[Path], None] | None = None,
+              checkpoint: Checkpoint | None = None) -> dict[str, Any]:
     """Train ``model`` on the masked-in (response) tokens of ``sequences``; optionally save it.
 
     Collective when launched on several processes (``torchrun``, ``deepspeed``): every rank
@@ -156,7 +157,8 @@ def train_sft(model: nn.Module, tokenizer: PreTrainedTokenizerBase, sequences: S
     and ``optim/grad_norm``. ``model`` is trained in place (wrapped with LoRA first when
     ``lora.enabled``); with ``out_dir`` the result is written there as a plain Hugging Face
     folder (adapters merged) with ``tokenizer``, and ``extra(folder)`` adds its own files
-    before the folder appears.
+    before the folder appears. ``checkpoint``: resumable checkpoints (see
+    :func:`hisr_core.train.fit.fit`).
 
     Returns the summary: ``steps``, ``loss`` (last step), ``tokens``, ``response_tokens``,
     ``seconds``, ``tokens_per_s``, ``backend``, ``world_size``.
@@ -165,7 +167,8 @@ def train_sft(model: nn.Module, tokenizer: PreTrainedTokenizerBase, sequences: S
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     engine, stats = fit(ResponseNLL(model), model, [len(s.input_ids) for s in sequences],
                         lambda idx: collate([sequences[i] for i in idx], pad_id), sft, info,
-                        backend, dtype, name=name, on_log=on_log, progress=progress)
+                        backend, dtype, name=name, on_log=on_log, progress=progress,
+                        checkpoint=checkpoint)
     if out_dir is not None:
         engine.save(out_dir, tokenizer, extra)
     stats["response_tokens"] = stats.pop("units")

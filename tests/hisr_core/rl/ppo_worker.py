@@ -105,13 +105,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--local_rank", type=int, help="passed by the deepspeed launcher")
+    parser.add_argument("--checkpoint-every", type=int, default=1)
+    parser.add_argument("--stop-during", type=int,
+                        help="send this process SIGTERM as iteration N starts its rollouts")
     args = parser.parse_args(argv)
     import torch
 
     from hisr_core.train.engine import init_distributed
 
     cfg = ppo_params(args.backend, args.iterations, args.micro,
-                     mode="offline" if args.offline else "online")
+                     mode="offline" if args.offline else "online",
+                     checkpoint_every=args.checkpoint_every)
+    if args.stop_during is not None:
+        import os
+        import signal
+
+        from hisr_core.rl import loop
+
+        collect = loop.collect
+
+        def stopping_collect(*a: Any, **kw: Any):
+            if a[7] == args.stop_during - 1:  # the 0-based iteration argument
+                os.kill(os.getpid(), signal.SIGTERM)
+            return collect(*a, **kw)
+
+        loop.collect = stopping_collect
     result = run(args.model, cfg, args.variant, args.checkpoint, args.offline)
     if init_distributed().is_main:
         torch.save(result, args.out)

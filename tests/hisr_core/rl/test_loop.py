@@ -201,6 +201,24 @@ def test_a_killed_run_resumes_to_the_same_weights(tiny_dir, tmp_path):
                                                                     abs=1e-12)
 
 
+@pytest.mark.slow
+def test_sigterm_during_rollouts_checkpoints_the_iteration_start_and_resumes_exactly(
+        tiny_dir, tmp_path):
+    """SIGTERM as iteration 2 collects (no checkpoint yet: one every 100 iterations): the run
+    abandons the iteration, checkpoints the state it started from and exits 143; the rerun
+    plays iteration 2 again and ends with the weights of a run never stopped."""
+    straight_out, out, ck = tmp_path / "straight.pt", tmp_path / "resumed.pt", tmp_path / "ck"
+    straight = run_worker(_command(tiny_dir, straight_out, iterations=3), straight_out)
+    cmd = [*_command(tiny_dir, out, iterations=3, checkpoint=ck), "--checkpoint-every", "100"]
+    proc = subprocess.run([*cmd, "--stop-during", "2"], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert read_checkpoint_meta(ck)["iteration"] == 1
+    resumed = run_worker(cmd, out)
+    assert resumed["start"] == 1 and len(resumed["history"]) == 2
+    assert_close_weights(resumed, straight, atol=0.0)
+
+
 def test_a_checkpoint_from_another_setting_is_refused(tiny_dir, tmp_path):
     ck = tmp_path / "ck"
     ppo_worker.run(tiny_dir, ppo_worker.ppo_params("torch", 1), "ppo", checkpoint=ck)

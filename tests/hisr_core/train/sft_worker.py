@@ -7,7 +7,9 @@ As a script (one process, or one rank under ``torchrun``)::
 
 trains with :func:`hisr_core.train.sft.train_sft` (``log_every=1``) and has rank 0 write the logged
 metrics of every step and the summary to ``--out``; with ``--hindsight``, ``pi_hind``'s gates
-and block readers on the frozen model instead (:func:`train_hindsight`).
+and block readers on the frozen model instead (:func:`train_hindsight`). ``--checkpoint DIR``
+keeps a resumable checkpoint there; ``--stop-at K`` has rank 0 send itself SIGTERM while it
+logs step K (the run then stops with a checkpoint and exit status 143).
 """
 
 from __future__ import annotations
@@ -82,19 +84,30 @@ def sft_params(backend: str, micro: int, steps: int, **overrides: Any):
 
 
 def train(model_dir: Path, params, n_rows: int, save: Path | None = None,
-          lora=None) -> dict[str, Any]:
+          lora=None, checkpoint: Path | None = None, stop_at: int | None = None
+          ) -> dict[str, Any]:
     """Train the saved model at ``model_dir`` on ``n_rows`` synthetic episodes; every step logged."""
+    import os
+    import signal
+
     from hisr_core.agent.models import load_model, load_tokenizer
     from hisr_core.agent.prompts import PromptBuilder
+    from hisr_core.train.fit import Checkpoint
     from hisr_core.train.sft import encode_trajectories, train_sft
 
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir)
     sequences = encode_trajectories(make_rows(n_rows, seed=1), PromptBuilder(tokenizer), GRAMMAR)
     logs: list[tuple[int, dict[str, float]]] = []
-    summary = train_sft(model, tokenizer, sequences, params, "float32",
-                        on_log=lambda step, m: logs.append((step, m)), progress=False,
-                        lora=lora, out_dir=save)
+
+    def on_log(step: int, metrics: dict[str, float]) -> None:
+        logs.append((step, metrics))
+        if step == stop_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # rank 0 only: the other rank follows it
+
+    summary = train_sft(model, tokenizer, sequences, params, "float32", on_log=on_log,
+                        progress=False, lora=lora, out_dir=save,
+                        checkpoint=Checkpoint(checkpoint, "sft-worker") if checkpoint else None)
     return {"steps": [s for s, _ in logs], "losses": [m["losses/sft"] for _, m in logs],
             "grad_norms": [m["optim/grad_norm"] for _, m in logs],
             "lrs": [m["optim/lr"] for _, m in logs], "summary": summary}
@@ -152,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save", type=Path)
     parser.add_argument("--lora", action="store_true",
                         help="train rank-4 adapters on q_proj and v_proj (saved merged)")
+    parser.add_argument("--checkpoint", type=Path)
+    parser.add_argument("--stop-at", type=int)
     parser.add_argument("--hindsight", action="store_true",
                         help="train pi_hind with frozen weights instead (train_hindsight)")
     args = parser.parse_args(argv)
@@ -163,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
         params = sft_params(args.backend, args.micro, args.steps, zero_stage=args.zero_stage)
         lora = LoraParams(enabled=True, r=4, alpha=8, dropout=0.0,
                           target_modules=["q_proj", "v_proj"]) if args.lora else None
-        result = train(args.model, params, args.rows, save=args.save, lora=lora)
+        result = train(args.model, params, args.rows, save=args.save, lora=lora,
+                       checkpoint=args.checkpoint, stop_at=args.stop_at)
     from hisr_core.train.engine import init_distributed
 
     if init_distributed().is_main:

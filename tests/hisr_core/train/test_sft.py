@@ -218,7 +218,9 @@ def _free_port() -> int:
 
 
 def run_worker(tmp_path: Path, model: Path, backend: str, micro: int, nproc: int,
-               save: Path | None = None, extra: tuple[str, ...] = ()) -> dict:
+               save: Path | None = None, extra: tuple[str, ...] = (),
+               status: int = 0) -> dict | None:
+    """Run ``sft_worker.py``; its result, or ``None`` when it is to exit with ``status``."""
     out = tmp_path / f"{backend}-{nproc}.json"
     args = [str(WORKER), "--model", str(model), "--backend", backend, "--micro", str(micro),
             "--steps", str(STEPS), "--rows", str(N_ROWS), "--out", str(out), *extra]
@@ -234,8 +236,8 @@ def run_worker(tmp_path: Path, model: Path, backend: str, micro: int, nproc: int
     # cwd: the project root, so DeepSpeed's compiled CPU op is cached in its .cache folder.
     proc = subprocess.run([*launcher, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    assert proc.returncode == status, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()) if status == 0 else None
 
 
 def assert_same_curve(result: dict, reference: dict) -> None:
