@@ -188,7 +188,7 @@ class SftParams(FitParams):
 
 class SprmParams(FitParams):
     """The ``sprm`` stage: the segment-level process reward model, fitted on ``D_st`` with the
-    loss ``(R - sum_i r_i)^2`` per trajectory (METHOD.md stage 4)."""
+    loss ``(R - sum_i r_i)^2`` per trajectory (docs/method.md stage 4)."""
 
     epochs: float = Field(6.0, gt=0)
     """Passes over the training trajectories (fractions allowed)."""
@@ -214,7 +214,7 @@ class SprmParams(FitParams):
 
 class HindsightParams(FitParams):
     """The ``hindsight`` stage: ``pi_hind`` recovers a masked response from the whole trajectory
-    and its outcome (METHOD.md stage 5); one example per turn of ``D_ct``."""
+    and its outcome (docs/method.md stage 5); one example per turn of ``D_ct``."""
 
     epochs: float = Field(1.5, gt=0)
     """Passes over the examples (one per turn; fractions allowed)."""
@@ -274,7 +274,7 @@ class HindsightParams(FitParams):
 
 
 class RewardsParams(Section):
-    """The ``rewards`` stage: hindsight-modulated segmental rewards of ``D_st`` (METHOD.md
+    """The ``rewards`` stage: hindsight-modulated segmental rewards of ``D_st`` (docs/method.md
     stages 6 and 7), scored with ``pi_ref`` as the policy."""
 
     beta: float = Field(1.0, gt=0)
@@ -286,7 +286,7 @@ class RewardsParams(Section):
     variants: list[Literal["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo"]] = Field(
         default_factory=lambda: ["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo"],
         min_length=1)
-    """Reward variants written (METHOD.md's table); ``no_spr``/``no_both`` use turn segments."""
+    """Reward variants written (the variants table of docs/method.md); ``no_spr``/``no_both`` use turn segments."""
 
     max_batch_tokens: int = Field(8192, ge=64)
     """Padded tokens per scoring forward pass (rows x longest row)."""
@@ -316,8 +316,8 @@ class SamplingParams(Section):
 
 
 class PpoParams(SamplingParams):
-    """The ``ppo`` stage (METHOD.md stage 7): multi-turn PPO from ``pi_ref`` with a critic, for
-    each variant of METHOD.md's table and the baselines. ``rewards.beta`` / ``rewards.alpha``
+    """The ``ppo`` stage (docs/method.md stage 7): multi-turn PPO from ``pi_ref`` with a critic, for
+    each variant of the variants table of docs/method.md and the baselines. ``rewards.beta`` / ``rewards.alpha``
     shape the rewards; one iteration is collect → segment → score → fuse → advantages →
     update."""
 

@@ -151,7 +151,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             pa.field("fallback_reason", pa.string(), nullable=False),
         ]
     ),
-    # The rewards of D_st (METHOD.md stages 6-7), one row per trajectory: its segments with
+    # The rewards of D_st (docs/method.md stages 6-7), one row per trajectory: its segments with
     # (r_hat, z, r_him), its turns' hindsight scores, and each variant's per-turn rewards.
     "rewards": pa.schema(
         [

@@ -54,7 +54,7 @@ def _text(doc: str | None) -> str:
     text = re.sub(r":\w+:`~?([^`]+)`", lambda m: f"`{m.group(1).split('.')[-1]}`", text)
     text = text.replace("``", "`")
     # Docstrings name the method description by the paper's stage numbers; its file is this.
-    text = text.replace("METHOD.md", "docs/method.md")
+    text = text.replace("docs/method.md", "docs/method.md")
     return text.replace("|", "\\|")
 
 

@@ -36,7 +36,7 @@ from tasks.files import write_csv
 from tasks.rollout import device
 from tasks.tracking import LossCurve
 
-#: Per-iteration metrics drawn in ``curve.csv`` (the DVC plot) and the README's curves.
+#: Per-iteration metrics drawn in ``curve.csv`` (the DVC plot) and the report's curves.
 CURVE = ("rollout/success", "rewards/fused_mean", "losses/policy", "losses/value", "policy/kl",
          "policy/entropy")
 

@@ -47,7 +47,7 @@ BUILTIN_SIZES: dict[str, BuiltinSize] = {
     "small": BuiltinSize(256, 704, 4, 8, 4, 2048),
     # ``small`` with one KV head (multi-query attention). Batched decoding on a CPU is bound by
     # reading the rows' KV caches, so household at B=32 plays 1.2-1.7x faster; but its household
-    # pi_ref scored 34% on valid_unseen against 51% (README Results, 2026-12-03).
+    # pi_ref scored 34% on valid_unseen against 51% (CHANGELOG.md, 2026-12-03).
     "small-mq": BuiltinSize(256, 704, 4, 8, 1, 2048),
     "base": BuiltinSize(512, 1408, 8, 8, 4, 4096),
 }

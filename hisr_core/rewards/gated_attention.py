@@ -1,5 +1,5 @@
 """Gated attention to an inserted block of tokens: how ``pi_hind`` reads the hindsight block
-while starting exactly from ``pi_ref`` (METHOD.md stage 5; see :mod:`hisr_core.rewards.hindsight`).
+while starting exactly from ``pi_ref`` (docs/method.md stage 5; see :mod:`hisr_core.rewards.hindsight`).
 
 A hindsight example is ``pi_ref``'s own sequence for turn k with a block of tokens (the later
 turns and the outcome) inserted into the system message. Inserted as plain text, the block

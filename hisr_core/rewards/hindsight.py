@@ -1,4 +1,4 @@
-"""Stage 5: the hindsight model's examples (METHOD.md, stage 5).
+"""Stage 5: the hindsight model's examples (docs/method.md, stage 5).
 
 ``pi_hind`` sees the task, the whole trajectory except response ``a_k`` (past *and* future
 turns) and the outcome, and must write ``a_k``. One example per turn. **Decision:** the

@@ -1,4 +1,4 @@
-"""Hindsight-modulated segmental rewards and the fused per-turn rewards (METHOD.md, stages 6
+"""Hindsight-modulated segmental rewards and the fused per-turn rewards (docs/method.md, stages 6
 and 7). Pure functions of tensors; no I/O.
 
 Notation (one trajectory): m turns, n segments (:class:`~hisr_core.segment.segmenter.Segment`, in order,
@@ -59,7 +59,7 @@ def turn_importance(log_ratios: torch.Tensor) -> torch.Tensor:
 
 
 def segment_importance(log_ratios: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
-    """``z_hat(s_i) = sum_{k in s_i} z_k / sum_k z_k`` (the Decision in METHOD.md: segment
+    """``z_hat(s_i) = sum_{k in s_i} z_k / sum_k z_k`` (the decision in docs/method.md: segment
     importances sum to 1 over the trajectory). Shape: (m,) → (n,)."""
     weights = turn_importance(log_ratios)
     index = _segment_of_turn(segments, weights.numel())
@@ -109,7 +109,7 @@ def variant_rewards(variant: Variant, r_hat: torch.Tensor, log_ratios: torch.Ten
                     segments: Sequence[Segment], admissible: Sequence[bool], alpha: float,
                     outcome: float) -> torch.Tensor:
     """Per-turn rewards (on each turn's last response token) of one trajectory for a
-    variant of METHOD.md's table. ``segments`` are the variant's own (``turn`` for
+    variant of the variants table of docs/method.md. ``segments`` are the variant's own (``turn`` for
     ``no_spr`` / ``no_both``); ``no_agr`` takes ``alpha = 0``. Shape: (m,)."""
     m = len(admissible)
     if variant == "ppo":

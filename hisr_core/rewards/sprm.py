@@ -1,4 +1,4 @@
-"""Stage 4: the segment-level process reward model (METHOD.md, stage 4).
+"""Stage 4: the segment-level process reward model (docs/method.md, stage 4).
 
 A backbone initialised from ``pi_ref`` reads a segmented trajectory; the head
 ``r_i = W2 · SiLU(W1 · h_i)`` maps the last hidden state ``h_i`` at the last response token of

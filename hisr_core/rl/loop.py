@@ -1,4 +1,4 @@
-"""Stage 7: the multi-turn PPO loop (METHOD.md stage 7) as short, numbered step functions.
+"""Stage 7: the multi-turn PPO loop (docs/method.md stage 7) as short, numbered step functions.
 
 One iteration (:func:`run_iteration`):
 

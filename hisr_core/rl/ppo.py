@@ -1,4 +1,4 @@
-"""The math of multi-turn PPO (METHOD.md, stage 7): GAE over response tokens, whitening, the
+"""The math of multi-turn PPO (docs/method.md, stage 7): GAE over response tokens, whitening, the
 clipped policy and value losses, KL to ``pi_ref``, entropy, GRPO's group advantages. Pure
 functions of tensors; no I/O, no models.
 
@@ -164,7 +164,7 @@ def group_advantages(outcomes: torch.Tensor, groups: torch.Tensor, eps: float = 
 
 
 def place_turn_rewards(turn_rewards: torch.Tensor, turn_of_token: torch.Tensor) -> torch.Tensor:
-    """Each turn's reward on its last response token (METHOD.md stage 7), 0 on the others.
+    """Each turn's reward on its last response token (docs/method.md stage 7), 0 on the others.
     ``turn_of_token``: the turn each response token belongs to, in order (non-decreasing).
     Shape: (m,), (N,) → (N,)."""
     n = turn_of_token.numel()

@@ -1,4 +1,4 @@
-"""Filtering of collected rollouts (METHOD.md, stage 2).
+"""Filtering of collected rollouts (docs/method.md, stage 2).
 
 A trajectory is dropped when it fails instruction following (more responses without a
 parsable action than a tolerance) or repeats itself (the same action, or the same short cycle

@@ -1,4 +1,4 @@
-"""Segmentation of a trajectory into sub-goal segments (METHOD.md, stage 3).
+"""Segmentation of a trajectory into sub-goal segments (docs/method.md, stage 3).
 
 A segment is a contiguous, non-empty run of turns serving one sub-goal; a trajectory's segments
 are in order and cover every turn exactly once. Turns are indexed from 0 here (``first`` and

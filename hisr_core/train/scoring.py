@@ -1,4 +1,4 @@
-"""Batched per-token log-probabilities of responses (METHOD.md stage 6 needs them under the
+"""Batched per-token log-probabilities of responses (docs/method.md stage 6 needs them under the
 scored policy and under the hindsight model).
 
 :func:`token_logprobs` scores many token sequences in few forward passes (sorted by length,

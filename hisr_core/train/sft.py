@@ -1,4 +1,4 @@
-"""Stage 1: behaviour cloning on expert trajectories ``D_bc`` (METHOD.md, stage 1).
+"""Stage 1: behaviour cloning on expert trajectories ``D_bc`` (docs/method.md, stage 1).
 
 The loss is the negative log-likelihood of response tokens only (each response's end-of-turn
 token included, so the policy learns to stop); system prompt, observations and padding carry
