@@ -53,8 +53,6 @@ def _text(doc: str | None) -> str:
     text = " ".join((doc or "").split())
     text = re.sub(r":\w+:`~?([^`]+)`", lambda m: f"`{m.group(1).split('.')[-1]}`", text)
     text = text.replace("``", "`")
-    # Docstrings name the method description by the paper's stage numbers; its file is this.
-    text = text.replace("docs/method.md", "docs/method.md")
     return text.replace("|", "\\|")
 
 

@@ -16,7 +16,7 @@ Checked in README.md, CHANGELOG.md and every Markdown file under docs/:
 - **modules**: ``python -m M`` / ``--module M`` and dotted ``hisr_core.``, ``tasks.`` or
   ``flows.`` names must be modules of the repository (a trailing name must be defined there).
 
-Also: README.md stays within 10 KiB, no document points at a docs/method.md file (the method is
+Also: README.md stays within 10 KiB, no document points at a METHOD.md file (the method is
 docs/method.md), and the generated key reference in docs/configuration.md is up to date.
 """
 
@@ -164,8 +164,8 @@ def test_named_modules_exist(doc: Path) -> None:
 
 @pytest.mark.parametrize("doc", DOCS, ids=_doc_id)
 def test_no_method_file_reference(doc: Path) -> None:
-    assert "docs/method.md" not in doc.read_text(encoding="utf-8"), \
-        f"{_doc_id(doc)} points at docs/method.md; the method is docs/method.md"
+    assert "METHOD.md" not in doc.read_text(encoding="utf-8"), \
+        f"{_doc_id(doc)} points at METHOD.md; the method is docs/method.md"
 
 
 def test_readme_is_short() -> None:
