@@ -45,9 +45,9 @@ BUILTIN_SIZES: dict[str, BuiltinSize] = {
     "tiny": BuiltinSize(64, 176, 2, 2, 1, 512),
     # A few million parameters: the default, trained by SFT on a 2-core CPU in minutes.
     "small": BuiltinSize(256, 704, 4, 8, 4, 2048),
-    # ``small`` with one KV head (multi-query attention). Batched decoding on a CPU is bound by
-    # reading the rows' KV caches, so household at B=32 plays 1.2-1.7x faster; but its household
-    # pi_ref scored 34% on valid_unseen against 51% (CHANGELOG.md, 2026-12-03).
+    # ``small`` with one KV head (multi-query attention): batched CPU decoding reads a quarter of
+    # the KV cache, at a cost in policy quality (speed and success measured in CHANGELOG.md,
+    # 2026-12-03).
     "small-mq": BuiltinSize(256, 704, 4, 8, 1, 2048),
     "base": BuiltinSize(512, 1408, 8, 8, 4, 4096),
 }
