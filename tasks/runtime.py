@@ -29,15 +29,20 @@ def configure_offline() -> None:
         os.environ.setdefault(key, value)
 
 
-def stop_servers() -> None:
-    """Stop the Prefect API server this process started (a uvicorn child process). Prefect
-    stops it in an ``atexit`` handler, which a signal's default action or ``os._exit`` skips."""
+def _own_servers() -> list:
+    """The Prefect API servers (uvicorn child processes) this process started."""
     import sys
 
     server_module = sys.modules.get("prefect.server.api.server")
     if server_module is None:
-        return  # Prefect never started one here
-    for server in list(server_module.SubprocessASGIServer._instances.values()):
+        return []  # Prefect never started one here
+    return list(server_module.SubprocessASGIServer._instances.values())
+
+
+def stop_servers() -> None:
+    """Stop the Prefect API server this process started (a uvicorn child process). Prefect
+    stops it in an ``atexit`` handler, which a signal's default action or ``os._exit`` skips."""
+    for server in _own_servers():
         process = server.server_process
         if process is None or process.poll() is not None:
             continue
@@ -47,6 +52,23 @@ def stop_servers() -> None:
         except Exception:  # noqa: BLE001 - it did not stop in time: end it
             process.kill()
             process.wait()
+
+
+def stop_retrying_own_server() -> None:
+    """After a stop signal, report to a Prefect server this process started without retries.
+
+    A signal sent to the whole process group (a batch scheduler, a terminal) ends that server
+    too, and Prefect's client would retry every remaining report against it with backoff for
+    minutes, far past a scheduler's grace period. The server is a local child process: a refused
+    connection will not heal. A server someone else started (``PREFECT_API_URL``) keeps its
+    retries."""
+    if not _own_servers():
+        return
+    from prefect.settings.context import get_current_settings
+
+    # Threads without the settings context build their settings from the environment.
+    os.environ["PREFECT_CLIENT_MAX_RETRIES"] = "0"
+    get_current_settings().client.max_retries = 0
 
 
 def how_to_resume() -> str:
@@ -70,4 +92,5 @@ def handle_stop_signals() -> None:
     from hisr_core.train import preempt
 
     preempt.install(how_to_resume())
+    preempt.on_first_signal(stop_retrying_own_server)
     preempt.on_stop(stop_servers)

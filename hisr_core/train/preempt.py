@@ -38,6 +38,7 @@ class Preempted(SystemExit):
 _received: list[int] = []
 _deferring = 0
 _callbacks: list[Callable[[], None]] = []
+_first_callbacks: list[Callable[[], None]] = []
 _final: list[str] = []
 _installed = False
 _how_to_resume: list[str] = ["run the same command again to resume"]
@@ -55,8 +56,15 @@ def on_stop(callback: Callable[[], None]) -> None:
         _callbacks.append(callback)
 
 
-def _run_callbacks() -> None:
-    for callback in _callbacks:
+def on_first_signal(callback: Callable[[], None]) -> None:
+    """Run ``callback`` in the signal handler when the first stop signal arrives, before the
+    step, checkpoint and exit handlers that follow it. It must be quick and never raise."""
+    if callback not in _first_callbacks:
+        _first_callbacks.append(callback)
+
+
+def _run_callbacks(callbacks: list[Callable[[], None]] = _callbacks) -> None:
+    for callback in callbacks:
         with contextlib.suppress(Exception):
             callback()
 
@@ -67,6 +75,7 @@ def _handler(signum: int, frame: object) -> None:
         # A second signal: no more waiting for a step, a checkpoint or exit handlers.
         _run_callbacks()
         os._exit(128 + signum)
+    _run_callbacks(_first_callbacks)
     if _deferring:
         return  # the training loop stops at its next step boundary
     raise stopped(signum, f"stopped by {signal.Signals(signum).name} outside a training step")

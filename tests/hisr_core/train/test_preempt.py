@@ -1,6 +1,7 @@
 """SIGTERM / SIGINT handling (:mod:`hisr_core.train.preempt`) in real processes: a signal in a
 training loop waits for the step boundary, outside one it stops at once; a second signal
-exits at once after stopping the servers the process registered; environment workers end
+exits at once after stopping the servers the process registered (callbacks registered for the
+first signal run once, when it arrives); environment workers end
 with a parent killed outright."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ STAGE = textwrap.dedent("""
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     preempt.install("run it again")
     preempt.on_stop(server.kill)
+    preempt.on_first_signal(lambda: print("first signal", file=sys.stderr, flush=True))
     print(server.pid, flush=True)
     mode = sys.argv[1]
     if mode == "outside":
@@ -94,6 +96,7 @@ def test_a_signal_in_the_loop_ends_the_step_then_stops_with_one_line(sig):
     assert last in ("stopped after step 1; run it again", "stopped after step 2; run it again")
     assert f"step {last.split()[3][:-1]}" == ("step 1\n" + out).strip().splitlines()[-1]
     assert server_gone, "the registered server is stopped at exit"
+    assert err.count("first signal") == 1
 
 
 def test_a_signal_outside_a_training_step_stops_at_once():
@@ -116,9 +119,10 @@ def test_a_second_signal_exits_at_once_and_stops_the_servers():
     assert proc.poll() is None, "the first signal waits for the loop"
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    status, _, _, server_gone = _finish(proc, server)
+    status, _, err, server_gone = _finish(proc, server)
     assert status == 128 + signal.SIGTERM and time.monotonic() - start < 5
     assert server_gone
+    assert err.count("first signal") == 1, "the first-signal callbacks run once"
 
 
 def test_environment_workers_end_with_a_parent_killed_outright():
