@@ -1,1 +1,1 @@
-"""Reward models and modulation: the segment/turn SPRM (sprm), the hindsight model (hindsight, gated_attention) and the hindsight-modulated segment rewards (modulation)."""
+"""Reward models and modulation: the segment/turn SPRM (sprm), the hindsight model (hindsight, gated_attention), the hindsight-modulated segment rewards (modulation) and their credit accuracy against an oracle (credit)."""
