@@ -67,9 +67,15 @@ def finished(checkpoint: Checkpoint) -> None:
     ckpt.remove(checkpoint.folder, init_distributed())
 
 
-def run_to_resume(writes: Sequence[Path], logged: Mapping[str, str]) -> str | None:
+#: The run tag holding the stamp of the files a stage read (:func:`hisr_core.stamp.fingerprint`).
+INPUTS_TAG = "hisr.inputs"
+
+
+def run_to_resume(writes: Sequence[Path], logged: Mapping[str, str], inputs: str) -> str | None:
     """The MLflow run a restarted stage goes on with: one named by a checkpoint of a fit
-    writing under ``writes``, not finished, with the same params ``logged``; else ``None``."""
+    writing under ``writes``, not finished, with the same params ``logged`` and the same stamp
+    of its inputs ``inputs`` (other inputs: the fit starts afresh, so the run would log its
+    steps twice); else ``None``."""
     folders = [f for f in map(folder_for, writes) if f.is_dir()]
     if not folders:
         return None
@@ -88,7 +94,8 @@ def run_to_resume(writes: Sequence[Path], logged: Mapping[str, str]) -> str | No
                 run = client.get_run(run_id)
             except MlflowException:
                 continue  # a run deleted since
-            same = all(run.data.params.get(k) == v for k, v in logged.items())
+            same = (run.data.tags.get(INPUTS_TAG) == inputs
+                    and all(run.data.params.get(k) == v for k, v in logged.items()))
             if run.info.status != "FINISHED" and run.info.lifecycle_stage == "active" and same:
                 return run_id
     return None

@@ -12,6 +12,7 @@ from typing import Any
 
 from hisr_core.config import Params
 from hisr_core.contracts import write_json
+from hisr_core.stamp import fingerprint
 from tasks.files import write_csv
 
 
@@ -103,24 +104,27 @@ def stage_run(params: Params, stage: str, sections: Mapping[str, Any],
     and how long it took (also logged as ``time/stage_s``).
 
     Without ``resume``, a run that a checkpoint of a fit writing under ``writes`` names (a stage
-    stopped and restarted with the same params) is continued. A stage stopped by SIGTERM or
-    SIGINT leaves its run KILLED, not FAILED."""
+    stopped and restarted with the same params and ``reads``, by name, size and modification
+    time: tag ``hisr.inputs``) is continued. A stage stopped by SIGTERM or SIGINT leaves its
+    run KILLED, not FAILED."""
     import mlflow
 
     from hisr_core.train.preempt import Preempted
-    from tasks.checkpoints import run_to_resume
+    from tasks.checkpoints import INPUTS_TAG, run_to_resume
 
     use_experiment(params)
     start = time.perf_counter()
     logged = {k: json.dumps(v) if not isinstance(v, str) else v
               for k, v in flatten(sections).items()}
+    inputs = fingerprint(None, reads)
     if resume is None:
-        resume = run_to_resume(writes, logged)
+        resume = run_to_resume(writes, logged, inputs)
     if resume is not None:
         run_cm = mlflow.start_run(run_id=resume)
     else:
         run_cm = mlflow.start_run(run_name=stage, tags={
-            "hisr.stage": stage, "mlflow.parentRunId": pipeline_run_id(params), **(tags or {})})
+            "hisr.stage": stage, "mlflow.parentRunId": pipeline_run_id(params),
+            INPUTS_TAG: inputs, **(tags or {})})
     with run_cm as run:
         if resume is None:
             mlflow.log_params(logged)

@@ -11,7 +11,6 @@ checkpoint. A checkpoint of other params or inputs (another fingerprint) is disc
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hisr_core import stamp
 from hisr_core.train.engine import Backend, DistInfo, Engine, barrier
 
 META = "meta.json"
@@ -32,11 +32,7 @@ META = "meta.json"
 def fingerprint(config: Any, inputs: Sequence[Path] = ()) -> str:
     """What a checkpoint must match to be resumed: ``config`` (JSON-able: the params read) and
     the input files' names, sizes and modification times (cheap for a model of many GB)."""
-    files = sorted(p for path in map(Path, inputs)
-                   for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file())
-    stamp = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    blob = json.dumps([config, stamp], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
+    return stamp.fingerprint(config, inputs)
 
 
 def read_meta(folder: Path) -> dict[str, Any] | None:

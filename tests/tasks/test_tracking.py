@@ -39,3 +39,52 @@ def test_tracking_uri_variable_wins(tmp_path, experiment, monkeypatch):
         pass
     assert mlflow.get_tracking_uri() == store
     assert (tmp_path / "other.db").is_file() and not (tmp_path / "params.db").exists()
+
+
+def test_a_restarted_stage_continues_its_run_only_with_the_same_inputs(mlflow_uri, experiment,
+                                                                       tmp_path, monkeypatch):
+    """A stage stopped mid-fit leaves a KILLED run that its checkpoint names. Restarted on the
+    same params and inputs it continues that run; on other inputs (the fit then discards the
+    checkpoint and starts from step 1) it starts a new run, so no step is logged twice."""
+    import json
+    import os
+
+    import pytest
+
+    from hisr_core.train.checkpoint import META
+    from hisr_core.train.preempt import Preempted
+    from tasks.caching import use_cache_dir
+    from tasks.checkpoints import folder_for
+
+    monkeypatch.delenv("HISR_PARENT_RUN_ID", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    params = parse_params({"tracking": {"mlflow_uri": mlflow_uri, "experiment": experiment}})
+    data = tmp_path / "data"
+    use_cache_dir(data / "cache" / "prefect")
+    d_bc, out = data / "expert" / "d_bc.parquet", data / "sft" / "pi_ref"
+    d_bc.parent.mkdir(parents=True)
+    d_bc.write_bytes(b"first")
+    sections = {"sft": {"lr": 1e-3}}
+
+    def start() -> str:
+        with stage_run(params, "sft", sections, reads=[d_bc], writes=[out]) as run:
+            return run.info.run_id
+
+    with (pytest.raises(Preempted),
+          stage_run(params, "sft", sections, reads=[d_bc], writes=[out]) as run):
+        stopped = run.info.run_id
+        folder = folder_for(out)
+        folder.mkdir(parents=True)
+        (folder / META).write_text(json.dumps({"run_id": stopped, "step": 3}))
+        raise Preempted(15)
+    assert mlflow.get_run(stopped).info.status == "KILLED"
+
+    original = d_bc.stat()
+    d_bc.write_bytes(b"other inputs")
+    assert start() != stopped, "other inputs: a new run"
+    d_bc.write_bytes(b"first")
+    assert start() != stopped, "same size, another modification time: other inputs"
+    os.utime(d_bc, ns=(original.st_atime_ns, original.st_mtime_ns))
+    assert start() == stopped, "the same inputs: the stopped run goes on"
+    assert mlflow.get_run(stopped).info.status == "FINISHED"
