@@ -6,7 +6,9 @@ openable ones, carries at most one object, and cleans / heats / cools what it ca
 sinkbasin / microwave / fridge. The six task types and the observation wording follow ALFWorld.
 
 Layout of this module: data (vocabularies, priors, instruction templates), the split partition,
-the task generator, the episode, the expert, and the :class:`HouseholdEnv` that ties them.
+the task generator, the episode, the oracle (:func:`oracle_plan`, the shortest plan with full
+knowledge of the room, whose length is the episode's distance to its goal), the expert, and
+the :class:`HouseholdEnv` that ties them.
 
 Rules worth knowing (they are what an agent has to learn):
 
@@ -575,8 +577,8 @@ class HouseholdEpisode(GoalEpisode):
             raise RuntimeError("call reset() before distance_to_goal()")
         if self._won:
             return 0
-        plan = oracle_plan(self, commands=False)
-        return UNKNOWN_DISTANCE if plan is None else len(plan)
+        route = _shortest_route(self, commands=False)
+        return UNKNOWN_DISTANCE if route is None else route.n
 
     def _view(self, r: int) -> str:
         room = self._room
@@ -767,10 +769,9 @@ def _look_routes(route: _Route, held: int, where: Mapping[int, int]) -> list[_Ro
     return out
 
 
-def oracle_plan(ep: HouseholdEpisode, commands: bool = True) -> list[str] | None:
+def oracle_plan(ep: HouseholdEpisode) -> list[str] | None:
     """The shortest plan from ``ep``'s current state to its goal, knowing where everything is:
-    [] when won, None when the goal cannot be reached. With ``commands=False`` the list holds
-    placeholders (only its length is wanted: faster).
+    [] when won, None when the goal cannot be reached.
 
     Every plan the goal allows is a few fixed steps (take, treat, put, use) at fixed places
     plus what getting there needs: a ``go to`` per change of place, an ``open`` per closed
@@ -778,9 +779,16 @@ def oracle_plan(ep: HouseholdEpisode, commands: bool = True) -> list[str] | None
     objects, appliances, target instances, lamps and orders, and building each route with
     exactly those steps, gives the minimum; the tests check it against breadth-first search.
     """
-    room = ep._room
     if ep._won:
         return []
+    route = _shortest_route(ep, commands=True)
+    return None if route is None else route.cmds
+
+
+def _shortest_route(ep: HouseholdEpisode, commands: bool) -> _Route | None:
+    """:func:`oracle_plan`'s route (its commands kept only with ``commands``: counting them is
+    faster), None when the goal cannot be reached."""
+    room = ep._room
     where = {o: r for r, objs in enumerate(ep._contents) for o in objs}
     held = ep._holding
     if held >= 0:
@@ -795,8 +803,8 @@ def oracle_plan(ep: HouseholdEpisode, commands: bool = True) -> list[str] | None
                 room.transform is None or ep._props[o][room.prop_index])
 
         todo = [o for o in where if room.counts_for_goal[o] and not done(o)]
-        need = 2 - sum(room.counts_for_goal[o] and done(o) for o in where) if gt == "PICK2" \
-            else 1
+        placed = sum(room.counts_for_goal[o] and done(o) for o in where)
+        need = 2 - placed if gt == "PICK2" else 1
         routes = []
         if need == 1:
             for o in todo:
@@ -808,10 +816,7 @@ def oracle_plan(ep: HouseholdEpisode, commands: bool = True) -> list[str] | None
                     continue
                 for first in _deliver(start.copy(), o1, held, where):
                     routes += _deliver(first, o2, -1, where)
-    if not routes:
-        return None
-    best = min(routes, key=lambda r: r.n)
-    return best.cmds if best.cmds is not None else [""] * best.n
+    return min(routes, key=lambda r: r.n) if routes else None
 
 
 # --------------------------------------------------------------------------------------------
