@@ -43,7 +43,8 @@ class EnvParams(Section):
 
     options: dict[str, Any] = Field(default_factory=dict)
     """Environment-specific options, checked by the environment (household and virtualhome:
-    ``show_admissible``; alfworld: ``data_dir`` and ``show_admissible``)."""
+    ``show_admissible``; alfworld: ``data_dir``, ``show_admissible`` and ``oracle``, the
+    planner's distance to the goal after every step: slow, off by default)."""
 
 
 class ExpertParams(Section):

@@ -5,7 +5,8 @@ Every Parquet file the pipeline writes or reads goes through :func:`write_table`
 file in the same folder, then ``os.replace``), so a crash never leaves a half-written artifact,
 and deterministic (no pandas metadata, fixed writer options), so the same rows give the same bytes.
 A truncated file, a missing, extra or mistyped column raises :class:`ContractError` naming the
-file and the column.
+file and the column; a file written before a column or field existed is also told which stage to
+rerun (:data:`WRITTEN_BY`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ TURN = pa.struct(
 )
 
 #: One turn of a policy's episode: the expert fields plus what the rollout engine measures.
+#: ``distance_before`` / ``distance_after``: the environment's oracle distance to the goal
+#: (``Episode.distance_to_goal``; -1 where it cannot tell) before and after the turn, so the
+#: turn's true credit is their difference (docs/method.md, "Oracle progress").
 EPISODE_TURN = pa.struct(
     [
         *TURN,
@@ -43,6 +47,8 @@ EPISODE_TURN = pa.struct(
         pa.field("prompt_tokens", pa.int32(), nullable=False),
         pa.field("response_tokens", pa.int32(), nullable=False),
         pa.field("entropy", pa.float32(), nullable=False),
+        pa.field("distance_before", pa.int32(), nullable=False),
+        pa.field("distance_after", pa.int32(), nullable=False),
     ]
 )
 
@@ -172,6 +178,18 @@ SCHEMAS: dict[str, pa.Schema] = {
 }
 
 
+#: The pipeline stage that writes each contract's files: one that lacks a column or field the
+#: contract has since gained is remade by rerunning it.
+WRITTEN_BY: dict[str, str] = {
+    "tasks": "expert",
+    "expert_trajectories": "expert",
+    "episodes": "evaluate_sft or evaluate",
+    "rollouts": "collect",
+    "segmented": "segment, after collect",
+    "rewards": "rewards",
+}
+
+
 def schema(name: str) -> pa.Schema:
     try:
         return SCHEMAS[name]
@@ -183,31 +201,89 @@ def check_schema(actual: pa.Schema, name: str, source: str | Path) -> None:
     """Raise :class:`ContractError` unless ``actual`` has exactly the columns of contract ``name``."""
     expected = schema(name)
     problems = []
+    missing = False
     for field in expected:
         idx = actual.get_field_index(field.name)
         if idx < 0:
             problems.append(f"missing column {field.name!r} (expected {field.type})")
-        elif not actual.field(idx).type.equals(field.type, check_metadata=False):
-            problems.append(
-                f"column {field.name!r} has type {actual.field(idx).type}, expected {field.type}"
-            )
+            missing = True
+            continue
+        found = actual.field(idx).type
+        if found.equals(field.type, check_metadata=False):
+            continue
+        lacking = missing_fields(found, field.type, field.name)
+        if lacking:
+            problems += [f"column {field.name!r} lacks field {path!r} (expected {typ})"
+                         for path, typ in lacking]
+            missing = True
+        else:
+            problems.append(f"column {field.name!r} has type {found}, expected {field.type}")
     for field in actual:
         if expected.get_field_index(field.name) < 0:
             problems.append(f"unexpected column {field.name!r}")
     if problems:
-        raise ContractError(f"{source}: does not match contract {name!r}: " + "; ".join(problems))
+        hint = (f"; the file predates the contract: rerun the stage that writes it "
+                f"({WRITTEN_BY.get(name, 'unknown')})" if missing else "")
+        raise ContractError(f"{source}: does not match contract {name!r}: "
+                            + "; ".join(problems) + hint)
+
+
+def missing_fields(actual: pa.DataType, expected: pa.DataType,
+                   path: str) -> list[tuple[str, pa.DataType]]:
+    """The struct fields ``expected`` has and ``actual`` lacks, looking through lists, as
+    (dotted path from ``path``, expected type): ``[("turns.distance_after", int32)]``."""
+    if pa.types.is_list(expected) and pa.types.is_list(actual):
+        return missing_fields(actual.value_type, expected.value_type, path)
+    if not (pa.types.is_struct(expected) and pa.types.is_struct(actual)):
+        return []
+    out = []
+    for field in expected:
+        idx = actual.get_field_index(field.name)
+        if idx < 0:
+            out.append((f"{path}.{field.name}", field.type))
+        else:
+            out += missing_fields(actual.field(idx).type, field.type, f"{path}.{field.name}")
+    return out
+
+
+def _first_gap(value: Any, typ: pa.DataType) -> str | None:
+    """Where in ``value`` (a list or dict of type ``typ``) the first non-nullable struct field
+    is absent or null (``[3].distance_after``); None if nowhere. ``pa.Table.from_pylist`` would
+    fill it with a null that the column's nullability does not stop."""
+    if pa.types.is_list(typ) and isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            gap = _first_gap(item, typ.value_type)
+            if gap is not None:
+                return f"[{i}]{gap}"
+    elif pa.types.is_struct(typ) and isinstance(value, Mapping):
+        for field in typ:
+            item = value.get(field.name)
+            if item is None:
+                if not field.nullable:
+                    return f".{field.name}"
+                continue
+            gap = _first_gap(item, field.type)
+            if gap is not None:
+                return f".{field.name}{gap}"
+    return None
 
 
 def to_table(rows: Iterable[Mapping[str, Any]], name: str, source: str = "rows") -> pa.Table:
     """Rows (dicts) → a table of contract ``name``; a missing or mistyped value names the column."""
     sch = schema(name)
     rows = list(rows)
+    nested = [f for f in sch if pa.types.is_list(f.type) or pa.types.is_struct(f.type)]
     for i, row in enumerate(rows):
         for field in sch:
             if field.name not in row:
                 raise ContractError(f"{source}: row {i} lacks column {field.name!r}")
             if row[field.name] is None and not field.nullable:
                 raise ContractError(f"{source}: row {i}, column {field.name!r} is null")
+        for field in nested:
+            gap = _first_gap(row[field.name], field.type)
+            if gap is not None:
+                raise ContractError(f"{source}: row {i}, column {field.name!r}: "
+                                    f"{field.name}{gap} is missing or null")
     try:
         return pa.Table.from_pylist(rows, schema=sch)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as err:

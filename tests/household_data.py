@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hisr_core import contracts
-from hisr_core.envs import environment_class, make_environment
+from hisr_core.envs import Environment, Task, environment_class, make_environment
 from hisr_core.segment.segmenter import by_rule
 
 
@@ -20,9 +20,11 @@ def rollout_rows(n: int = 6, split: str = "train", seed: int = 0, fail_every: in
     rows = []
     for i, t in enumerate(env.make_tasks(split, n, seed)):
         ep = env.expert_play(t, slip_rate)
+        distances = replayed_distances(env, t, [x.action for x in ep.turns])
         turns = [{"observation": x.observation, "response": x.response, "action": x.action,
                   "admissible": x.admissible, "parsed": True, "prompt_tokens": 100 + k,
-                  "response_tokens": 12, "entropy": 0.3 + 0.4 * (k % 3)}
+                  "response_tokens": 12, "entropy": 0.3 + 0.4 * (k % 3),
+                  "distance_before": distances[k], "distance_after": distances[k + 1]}
                  for k, x in enumerate(ep.turns)]
         won = (i + i // 6) % fail_every != 0
         turns = turns if won else turns[:-cut]
@@ -33,6 +35,13 @@ def rollout_rows(n: int = 6, split: str = "train", seed: int = 0, fail_every: in
         del row["seed"], row["spec"]
         rows.append(row)
     return rows
+
+
+def replayed_distances(env: Environment, task: Task, actions: list[str]) -> list[int]:
+    """The oracle distance to the goal after reset and after each of ``actions``."""
+    ep = env.start(task)
+    ep.reset()
+    return [ep.distance_to_goal()] + [ep.step(a).distance for a in actions]
 
 
 def segmented_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ from hisr_core.envs import (
 )
 from hisr_core.envs.base import (
     NOTHING_HAPPENS,
+    UNKNOWN_DISTANCE,
     Environment,
     Episode,
     ExpertEpisode,
@@ -25,6 +26,7 @@ from hisr_core.envs.base import (
 
 __all__ = [
     "NOTHING_HAPPENS",
+    "UNKNOWN_DISTANCE",
     "Environment",
     "Episode",
     "ExpertEpisode",

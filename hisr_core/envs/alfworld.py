@@ -34,6 +34,13 @@ Decisions (where the benchmark leaves room):
   without one (the validation splits) follow the plan TextWorld's PDDL planner (Fast
   Downward) makes at reset: it knows where everything is, so it measures a ceiling and does
   not search; ``D_bc`` comes from ``train`` only, i.e. from the recorded, searching episodes.
+* Oracle distance (option ``oracle``, off by default): the length of the plan the same
+  planner makes from the current state, which it sees whole. ALFWorld's handcoded expert
+  (``extra.expert_plan``) cannot serve: it names only its next command and searches. A plan
+  takes 0.03 s near the goal but up to tens of seconds far from it in some games, 10 to 100
+  times a step, so it is asked for only when wanted; plan lengths are kept per game and state
+  in the process (:data:`PLAN_CACHE_SIZE`), since samples of a task revisit states. Off, the
+  distance is :data:`~hisr_core.envs.base.UNKNOWN_DISTANCE` until the game is won.
 
 Spec JSON (``Task.spec``, compact, sorted keys)::
 
@@ -43,6 +50,7 @@ Spec JSON (``Task.spec``, compact, sorted keys)::
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -57,6 +65,7 @@ from typing import Any
 from hisr_core.agent.react import format_response
 from hisr_core.envs.base import (
     NOTHING_HAPPENS,
+    UNKNOWN_DISTANCE,
     Environment,
     Episode,
     ExpertEpisode,
@@ -91,6 +100,9 @@ _GRAMMAR_TASK = re.compile(
     r'"task"\s*:\s*\[\s*\{\s*"rhs"\s*:\s*"(Your task is to:[^"#\\]*)"\s*\}\s*\]')
 _MISSING = ("environment 'alfworld' needs the alfworld package: install the project with the "
             "alfworld extra (EXTRAS=alfworld make install, or pip install -e '.[alfworld]')")
+#: Oracle plan lengths kept per process, by (game file, state digest).
+PLAN_CACHE_SIZE = 100_000
+_PLAN_LENGTHS: collections.OrderedDict[tuple[str, bytes], int] = collections.OrderedDict()
 
 
 def task_type_of(folder: str) -> str:
@@ -167,16 +179,45 @@ def _engine() -> tuple[Any, Any, Any]:
     return tw, gym, alfred.AlfredDemangler
 
 
+def _pddl_env(gym_env: Any) -> Any:
+    """TextWorld's PDDL environment under a one-game gym environment and its wrappers (the
+    planner is reached there: the gym interface offers it only as an info recomputed after
+    every step)."""
+    return gym_env.batch_env.envs[0].unwrapped
+
+
+def plan_length(gym_env: Any, game: str) -> int:
+    """The length of the plan TextWorld's PDDL planner makes from the game's current state
+    (:data:`UNKNOWN_DISTANCE` if it finds none), remembered per game and state."""
+    pddl = _pddl_env(gym_env)
+    state = pddl._pddl_state
+    facts = "\n".join(sorted(map(str, state.facts)))
+    key = (game, hashlib.blake2b(facts.encode(), digest_size=16).digest())
+    length = _PLAN_LENGTHS.get(key)
+    if length is not None:
+        _PLAN_LENGTHS.move_to_end(key)
+        return length
+    plan = state.replan(pddl._entity_infos)
+    length = len(plan) if plan else UNKNOWN_DISTANCE
+    _PLAN_LENGTHS[key] = length
+    if len(_PLAN_LENGTHS) > PLAN_CACHE_SIZE:
+        _PLAN_LENGTHS.popitem(last=False)
+    return length
+
+
 class AlfWorldEpisode(Episode):
     """One play of one ALFWorld game on TextWorld's PDDL engine."""
 
     def __init__(self, task: Task, max_turns: int, data_dir: Path,
-                 show_admissible: bool = False, planner: bool = False) -> None:
+                 show_admissible: bool = False, planner: bool = False,
+                 oracle: bool = False) -> None:
         """``planner``: also ask TextWorld's PDDL planner for a winning plan at reset
-        (:attr:`plan`); only expert plays need it, and planning costs time."""
+        (:attr:`plan`); only expert plays need it, and planning costs time. ``oracle``: plan
+        from every state for :meth:`distance_to_goal` (module notes)."""
         self.task = task
         self.max_turns = max_turns
         self.show_admissible = show_admissible
+        self.oracle = oracle
         spec = json.loads(task.spec)
         if spec.get("v") != SPEC_VERSION:
             raise ValueError(f"task {task.task_id!r} has spec version {spec.get('v')!r}; "
@@ -220,6 +261,17 @@ class AlfWorldEpisode(Episode):
             raise RuntimeError("call reset() before admissible_commands()")
         return list(self._adm)
 
+    def distance_to_goal(self) -> int:
+        """The planner's plan length from the current state with the ``oracle`` option, else
+        :data:`UNKNOWN_DISTANCE` (0 once won either way)."""
+        if not self._ready:
+            raise RuntimeError("call reset() before distance_to_goal()")
+        if self._won:
+            return 0
+        if not self.oracle:
+            return UNKNOWN_DISTANCE
+        return plan_length(self._env, str(self.game_dir))
+
     def step(self, action: str) -> StepResult:
         self._start_turn()
         command = " ".join(action.lower().split())
@@ -229,7 +281,7 @@ class AlfWorldEpisode(Episode):
         self._adm = list(infos["admissible_commands"])
         text = clean_observation(obs) or NOTHING_HAPPENS
         return StepResult(observation=self._decorate(text), admissible=ok, done=self.done,
-                          won=self._won, score=self.score)
+                          won=self._won, score=self.score, distance=self.distance_to_goal())
 
     def close(self) -> None:
         """Release the engine (its PDDL state); the episode cannot be played afterwards."""
@@ -410,6 +462,8 @@ class AlfWorldEnv(Environment):
             flows).
         show_admissible: append ``"\\nAdmissible actions: a, b, c"`` to every observation.
             Default False.
+        oracle: measure the oracle distance after every step with TextWorld's planner (slow;
+            module notes). Default False.
     """
 
     name = "alfworld"
@@ -423,7 +477,7 @@ class AlfWorldEnv(Environment):
         "cool {obj} with {recep}", "use {lamp}", "examine {obj}", "examine {recep}", "look",
         "inventory",
     )
-    _OPTIONS = ("data_dir", "show_admissible")
+    _OPTIONS = ("data_dir", "show_admissible", "oracle")
 
     def __init__(self, max_turns: int, **options: Any) -> None:
         super().__init__(max_turns, **options)
@@ -435,6 +489,10 @@ class AlfWorldEnv(Environment):
         if not (self.data_dir / ROOT).is_dir():
             raise ValueError(f"alfworld data_dir {data_dir!r} has no {ROOT} folder; unpack the "
                              "game archives with python -m hisr_core.envs.alfworld_data")
+        oracle = options.get("oracle", False)
+        if not isinstance(oracle, bool):
+            raise TypeError(f"oracle must be a bool, got {oracle!r}")
+        self.oracle: bool = oracle
         self.require(_engine)
 
     def _make_tasks(self, split: str, n: int, seed: int) -> list[Task]:
@@ -470,7 +528,8 @@ class AlfWorldEnv(Environment):
             ep.close()
 
     def _start(self, task: Task) -> AlfWorldEpisode:
-        return AlfWorldEpisode(task, self.max_turns, self.data_dir, self.show_admissible)
+        return AlfWorldEpisode(task, self.max_turns, self.data_dir, self.show_admissible,
+                               oracle=self.oracle)
 
     def expert_play(self, task: Task, slip_rate: float = 0.0) -> ExpertEpisode:
         game_dir = self.data_dir / json.loads(task.spec)["game"]

@@ -27,6 +27,9 @@ NOTHING_HAPPENS = "Nothing happens."
 #: Starts the admissible list ``show_admissible`` appends to an observation (the prompt builder
 #: finds it there to drop the list from past observations: ``model.past_admissible``).
 ADMISSIBLE_MARKER = "\nAdmissible actions: "
+#: The oracle distance of an episode whose environment cannot tell it (see
+#: :meth:`Episode.distance_to_goal`).
+UNKNOWN_DISTANCE = -1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,6 +73,8 @@ class StepResult:
         done: the episode is over (won, or the turn limit is reached).
         won: the goal holds.
         score: the outcome in [0, 1] (1.0 when won; partial credit where the benchmark has it).
+        distance: :meth:`Episode.distance_to_goal` after the step, so that whoever steps the
+            episode (in another process, too) measures progress without the episode itself.
     """
 
     observation: str
@@ -77,6 +82,7 @@ class StepResult:
     done: bool
     won: bool
     score: float
+    distance: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -104,7 +110,13 @@ class ExpertEpisode:
 
 
 class Episode(abc.ABC):
-    """One play of one task. Not thread-safe; one episode per worker at a time."""
+    """One play of one task. Not thread-safe; one episode per worker at a time.
+
+    Besides what the agent sees, an episode knows its oracle progress,
+    :meth:`distance_to_goal`: the number of steps an agent that knew the whole state would
+    still need. It is ground truth for credit assignment (docs/method.md): the true credit of
+    a turn is the drop in distance it caused, and a move that undoes progress raises it.
+    """
 
     task: Task
     max_turns: int
@@ -124,6 +136,14 @@ class Episode(abc.ABC):
     @abc.abstractmethod
     def admissible_commands(self) -> list[str]:
         """The commands that would do something now, in a stable order."""
+
+    @abc.abstractmethod
+    def distance_to_goal(self) -> int:
+        """The oracle distance from the current state to the goal: the length of the shortest
+        plan of an agent that knows where everything is (or the benchmark's closest measure,
+        documented by each environment): 0 when won, positive otherwise, and
+        :data:`UNKNOWN_DISTANCE` where the environment cannot tell. It reads the state only;
+        the agent never sees it."""
 
     @property
     def turns(self) -> int:
@@ -190,7 +210,7 @@ class GoalEpisode(Episode):
         obs = self._act(action)
         return StepResult(observation=self._decorate(NOTHING_HAPPENS if obs is None else obs),
                           admissible=obs is not None, done=self.done, won=self._won,
-                          score=self.score)
+                          score=self.score, distance=self.distance_to_goal())
 
 
 #: Thoughts of a slipped turn, and the opening of the turn after it.

@@ -6,7 +6,9 @@ openable ones, carries at most one object, and cleans / heats / cools what it ca
 sinkbasin / microwave / fridge. The six task types and the observation wording follow ALFWorld.
 
 Layout of this module: data (vocabularies, priors, instruction templates), the split partition,
-the task generator, the episode, the expert, and the :class:`HouseholdEnv` that ties them.
+the task generator, the episode, the oracle (:func:`oracle_plan`, the shortest plan with full
+knowledge of the room, whose length is the episode's distance to its goal), the expert, and
+the :class:`HouseholdEnv` that ties them.
 
 Rules worth knowing (they are what an agent has to learn):
 
@@ -55,6 +57,7 @@ from typing import Any
 
 from hisr_core.agent.react import format_response
 from hisr_core.envs.base import (
+    UNKNOWN_DISTANCE,
     Environment,
     ExpertEpisode,
     GoalEpisode,
@@ -560,6 +563,23 @@ class HouseholdEpisode(GoalEpisode):
         self._commands()
         return list(self._adm)
 
+    def oracle_plan(self) -> list[str] | None:
+        """The shortest command list from the current state to the goal for an agent that
+        knows where everything is ([] when won, None when no plan exists); see
+        :func:`oracle_plan`."""
+        if not self._ready:
+            raise RuntimeError("call reset() before oracle_plan()")
+        return oracle_plan(self)
+
+    def distance_to_goal(self) -> int:
+        """The length of :meth:`oracle_plan` (:data:`UNKNOWN_DISTANCE` if there is none)."""
+        if not self._ready:
+            raise RuntimeError("call reset() before distance_to_goal()")
+        if self._won:
+            return 0
+        route = _shortest_route(self, commands=False)
+        return UNKNOWN_DISTANCE if route is None else route.n
+
     def _view(self, r: int) -> str:
         room = self._room
         names = [room.onames[o] for o in self._contents[r]]
@@ -629,6 +649,174 @@ class HouseholdEpisode(GoalEpisode):
         if self._holding >= 0:
             return f"You are carrying: a {room.onames[self._holding]}."
         return "You are not carrying anything."
+
+
+# --------------------------------------------------------------------------------------------
+# Oracle: the shortest plan with full knowledge of the room
+# --------------------------------------------------------------------------------------------
+
+
+class _Route:
+    """A plan being built from an episode's current state: where the agent would stand, which
+    receptacles it would have opened, and its steps (their commands, or only their number
+    when ``cmds`` is None). Every method adds just the steps its precondition still needs, so
+    the length of a route is the number of steps it really takes."""
+
+    __slots__ = ("cmds", "ep", "loc", "n", "opened")
+
+    def __init__(self, ep: HouseholdEpisode, commands: bool) -> None:
+        self.ep = ep
+        self.loc = ep._loc
+        self.opened: frozenset[int] = frozenset()
+        self.n = 0
+        self.cmds: list[str] | None = [] if commands else None
+
+    def copy(self) -> _Route:
+        other = _Route.__new__(_Route)
+        other.ep, other.loc, other.opened, other.n = self.ep, self.loc, self.opened, self.n
+        other.cmds = None if self.cmds is None else list(self.cmds)
+        return other
+
+    def _add(self, cmd: str) -> None:
+        self.n += 1
+        if self.cmds is not None:
+            self.cmds.append(cmd)
+
+    def _at(self, r: int) -> None:
+        if self.loc != r:
+            self._add(self.ep._room.go_cmds[r])
+            self.loc = r
+
+    def _open(self, r: int) -> None:
+        if self.ep._closed[r] and r not in self.opened:
+            self._add(f"open {self.ep._room.rnames[r]}")
+            self.opened = self.opened | {r}
+
+    def take(self, o: int, r: int) -> None:
+        self._at(r)
+        self._open(r)
+        self._add(f"take {self.ep._room.onames[o]} from {self.ep._room.rnames[r]}")
+
+    def put(self, o: int, r: int) -> None:
+        self._at(r)
+        self._open(r)
+        self._add(f"put {self.ep._room.onames[o]} in/on {self.ep._room.rnames[r]}")
+
+    def treat(self, o: int, app: int, verb: str) -> None:
+        self._at(app)
+        self._add(f"{verb} {self.ep._room.onames[o]} with {self.ep._room.rnames[app]}")
+
+    def use(self, lamp: int, r: int) -> None:
+        self._at(r)
+        self._open(r)
+        self._add(f"use {self.ep._room.onames[lamp]}")
+
+
+def _fetch(route: _Route, o: int, held: int, where: Mapping[int, int]) -> None:
+    """Get ``o`` into the agent's hands: put down what it holds where ``o`` lies (one put
+    wherever it goes), then take ``o``."""
+    if held == o:
+        return
+    if held >= 0:
+        route.put(held, where[o])
+    route.take(o, where[o])
+
+
+def _deliver(route: _Route, o: int, held: int, where: Mapping[int, int]) -> list[_Route]:
+    """Every way to bring ``o`` into a target receptacle, treated on the way if the task needs
+    it: one route per choice of appliance and target instance."""
+    ep, room = route.ep, route.ep._room
+    _fetch(route, o, held, where)
+    routes = [route]
+    if room.transform is not None and not ep._props[o][room.prop_index]:
+        verb, app_type, _ = room.transform
+        routes = []
+        for app, rt in enumerate(room.rtypes):
+            if rt == app_type:
+                treated = route.copy()
+                treated.treat(o, app, verb)
+                routes.append(treated)
+    out = []
+    for r in routes:
+        for y, is_t in enumerate(room.is_target):
+            if is_t:
+                placed = r.copy()
+                placed.put(o, y)
+                out.append(placed)
+    return out
+
+
+def _look_routes(route: _Route, held: int, where: Mapping[int, int]) -> list[_Route]:
+    """LOOK: hold an X while a desklamp is on, in either order."""
+    ep, room = route.ep, route.ep._room
+    holding_x = held >= 0 and room.is_goal_obj[held]
+    xs = [held] if holding_x else [o for o in where if room.is_goal_obj[o]]
+    if any(ep._lamp_on):
+        lamps: list[int] = [-1]
+    else:
+        lamps = [o for o in where if room.is_lamp[o]]
+    out = []
+    for o in xs:
+        for lamp in lamps:
+            for lamp_first in (False, True):
+                r = route.copy()
+                if lamp >= 0 and lamp_first:
+                    r.use(lamp, where[lamp])
+                _fetch(r, o, held, where)
+                if lamp >= 0 and not lamp_first:
+                    r.use(lamp, where[lamp])
+                out.append(r)
+    return out
+
+
+def oracle_plan(ep: HouseholdEpisode) -> list[str] | None:
+    """The shortest plan from ``ep``'s current state to its goal, knowing where everything is:
+    [] when won, None when the goal cannot be reached.
+
+    Every plan the goal allows is a few fixed steps (take, treat, put, use) at fixed places
+    plus what getting there needs: a ``go to`` per change of place, an ``open`` per closed
+    receptacle taken from or put into (once), and a put to free the hands. So enumerating the
+    objects, appliances, target instances, lamps and orders, and building each route with
+    exactly those steps, gives the minimum; the tests check it against breadth-first search.
+    """
+    if ep._won:
+        return []
+    route = _shortest_route(ep, commands=True)
+    return None if route is None else route.cmds
+
+
+def _shortest_route(ep: HouseholdEpisode, commands: bool) -> _Route | None:
+    """:func:`oracle_plan`'s route (its commands kept only with ``commands``: counting them is
+    faster), None when the goal cannot be reached."""
+    room = ep._room
+    where = {o: r for r, objs in enumerate(ep._contents) for o in objs}
+    held = ep._holding
+    if held >= 0:
+        where[held] = -1
+    start = _Route(ep, commands)
+    gt = room.goal_type
+    if gt == "LOOK":
+        routes = _look_routes(start, held, where)
+    else:
+        def done(o: int) -> bool:
+            return where[o] >= 0 and room.is_target[where[o]] and (
+                room.transform is None or ep._props[o][room.prop_index])
+
+        todo = [o for o in where if room.counts_for_goal[o] and not done(o)]
+        placed = sum(room.counts_for_goal[o] and done(o) for o in where)
+        need = 2 - placed if gt == "PICK2" else 1
+        routes = []
+        if need == 1:
+            for o in todo:
+                routes += _deliver(start.copy(), o, held, where)
+        elif need == 2:
+            # What the agent holds goes first: put down and taken again later costs more.
+            for o1, o2 in itertools.permutations(todo, 2):
+                if o2 == held:
+                    continue
+                for first in _deliver(start.copy(), o1, held, where):
+                    routes += _deliver(first, o2, -1, where)
+    return min(routes, key=lambda r: r.n) if routes else None
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,6 +35,8 @@ Decisions (where the benchmark leaves room):
   after opening it, what is on or in it (unless closed); after a grab, put or drop, what it
   holds. Nothing is listed that the agent could not see: contents of closed containers stay
   hidden, as in the simulator's own partial observation (``utils.get_visible_nodes``).
+* Oracle distance: the number of goal conditions not met
+  (:meth:`VirtualHomeEpisode.distance_to_goal`), a measure of progress, not a plan length.
 * Splits: ``valid_unseen`` holds every program of the activities in :data:`UNSEEN_ACTIVITIES`
   (activity types never seen in training); the other programs go to ``valid_seen`` when the
   CRC-32 of their program id is divisible by 7, and to ``train`` otherwise. The task seed
@@ -375,6 +377,16 @@ class VirtualHomeEpisode(GoalEpisode):
     def conditions(self) -> list[bool]:
         """Which goal conditions hold now (in the spec's order)."""
         return conditions_met(self.goal, self._states, self._has_edge)
+
+    def distance_to_goal(self) -> int:
+        """The number of goal conditions not met (0 when won). Not a plan length: one command
+        can meet several conditions and one condition can take several commands (walk, open,
+        then put in); but meeting a condition lowers it and undoing one raises it, which is
+        what credit needs, and planning on the simulator would copy the scene graph for
+        every command tried."""
+        if not self._ready:
+            raise RuntimeError("call reset() before distance_to_goal()")
+        return len(self.goal) - sum(self.conditions())
 
     def _states(self, node: int) -> set[str]:
         return {s.name for s in self._state.get_node(node).states}

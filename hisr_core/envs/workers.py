@@ -16,6 +16,7 @@ process, which over the 3,554 training games would grow one process past 10 GB.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import threading
@@ -65,15 +66,14 @@ def _worker(conn: Connection, env_name: str, max_turns: int, options: dict[str, 
                 out: list[Any] = []
                 for key, row in batch:
                     episodes[key] = env.start(Task.from_row(row))
-                    out.append(episodes[key].reset())
+                    out.append((episodes[key].reset(), episodes[key].distance_to_goal()))
             elif op == "step":
                 out = []
                 for key, action in batch:
                     result = episodes[key].step(action)
                     if result.done:
                         del episodes[key]
-                    out.append((result.observation, result.admissible, result.done, result.won,
-                                result.score))
+                    out.append(dataclasses.astuple(result))
             else:
                 raise ValueError(f"unknown operation {op!r}")
             conn.send((ticket, "ok", out))
@@ -162,8 +162,9 @@ class EnvWorkers:
             raise RuntimeError(f"environment worker {w} failed:\n{payload}")
         return payload
 
-    def start(self, items: Sequence[tuple[Hashable, Task]]) -> list[str]:
-        """Start and reset one episode per ``(key, task)``; their first observations."""
+    def start(self, items: Sequence[tuple[Hashable, Task]]) -> list[tuple[str, int]]:
+        """Start and reset one episode per ``(key, task)``; their first observations, each with
+        the episode's distance to its goal (``Episode.distance_to_goal``)."""
         per: dict[int, list[Any]] = {}
         for key, task in items:
             w = self._owner[key] = self._next % len(self._conns)

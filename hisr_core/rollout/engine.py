@@ -133,6 +133,8 @@ class _Slot:
     turns: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     prompt_tokens: int = 0
+    #: The oracle distance to the goal in the state ``observation`` shows.
+    distance: int = 0
     #: The response being stepped, and its parsed action.
     pending: tuple[Generation, str | None] | None = None
 
@@ -149,11 +151,11 @@ class _InProcess:
         self.env = env
         self.episodes: dict[Hashable, Any] = {}
 
-    def start(self, items: Sequence[tuple[Hashable, Task]]) -> list[str]:
+    def start(self, items: Sequence[tuple[Hashable, Task]]) -> list[tuple[str, int]]:
         out = []
         for key, task in items:
             self.episodes[key] = self.env.start(task)
-            out.append(self.episodes[key].reset())
+            out.append((self.episodes[key].reset(), self.episodes[key].distance_to_goal()))
         return out
 
     def send_steps(self, items: Sequence[tuple[Hashable, str]]) -> dict[Hashable, StepResult]:
@@ -190,6 +192,9 @@ def play(
     ``workers`` (slow environments) the steps run in worker processes while generation goes on.
 
     Returns one row per episode (contract ``episodes``), in task order then sample order.
+    Each turn records the environment's oracle distance to the goal before and after it
+    (``distance_before``, ``distance_after``; ``Episode.distance_to_goal``), so its true
+    credit is the drop ``distance_before - distance_after``.
     ``on_episode`` is called as each episode ends (progress bars). ``actions`` (where the
     observation lists the admissible commands): ``free`` plays what the policy wrote;
     ``snap`` replaces an unlisted action by the closest listed command (:func:`snap_action`),
@@ -227,9 +232,10 @@ def play(
             task, sample = queue.pop()
             new.append(_Slot(task, sample, builder.system(task.instruction, env.command_grammar)))
         if new:
-            for slot, obs in zip(new, stepper.start([(s.key, s.task) for s in new]),
-                                 strict=True):
+            for slot, (obs, distance) in zip(new, stepper.start([(s.key, s.task) for s in new]),
+                                             strict=True):
                 slot.observation = obs
+                slot.distance = distance
                 active[slot.key] = slot
                 ask(slot)
 
@@ -244,9 +250,11 @@ def play(
                 "parsed": action is not None, "prompt_tokens": slot.prompt_tokens,
                 "response_tokens": len(gen.token_ids),
                 "entropy": gen.entropy if math.isfinite(gen.entropy) else 0.0,
+                "distance_before": slot.distance, "distance_after": result.distance,
             })
             slot.turns.append((slot.observation, gen.text))
             slot.observation = result.observation
+            slot.distance = result.distance
             slot.pending = None
             if result.done:
                 generator.release(key)

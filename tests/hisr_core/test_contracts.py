@@ -23,6 +23,25 @@ def traj_row(**over):
     return row
 
 
+def episode_row(**over):
+    turn = {"observation": "o", "response": "Thought: t\nAction: look", "action": "look",
+            "admissible": True, "parsed": True, "prompt_tokens": 10, "response_tokens": 4,
+            "entropy": 0.5, "distance_before": 3, "distance_after": 3}
+    row = {**traj_row(turns=[turn, {**turn, "distance_before": 3, "distance_after": 2}]),
+           "sample": 0, "policy": "pi_ref", "truncated": False, "outcome": 1.0,
+           "drop_reason": ""}
+    row.update(over)
+    return row
+
+
+def _without_distances(name):
+    """Contract ``name`` as it was before turns carried the oracle distance."""
+    keep = [f for f in contracts.EPISODE_TURN if not f.name.startswith("distance_")]
+    turns = pa.list_(pa.field("item", pa.struct(keep), nullable=False))
+    return pa.schema([pa.field(f.name, turns, nullable=False) if f.name == "turns" else f
+                      for f in contracts.schema(name)])
+
+
 def test_round_trip(tmp_path):
     path = contracts.write_rows([task_row(0), task_row(1)], tmp_path / "t.parquet", "tasks")
     assert contracts.read_rows(path, "tasks") == [task_row(0), task_row(1)]
@@ -102,3 +121,35 @@ def test_failed_write_keeps_previous_file(tmp_path, monkeypatch):
         contracts.write_rows([task_row(1)], path, "tasks")
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["t.parquet"], "no temporary file left"
+
+
+@pytest.mark.parametrize(("name", "stage"), [("rollouts", "collect"),
+                                             ("episodes", "evaluate_sft or evaluate"),
+                                             ("segmented", "segment, after collect")])
+def test_old_file_without_turn_distances_names_the_field_and_the_stage(tmp_path, name, stage):
+    old = _without_distances(name)
+    row = {**episode_row(), "segmenter": "turn", "segments": [], "fallback": False,
+           "fallback_reason": ""}
+    row["turns"] = [{k: v for k, v in t.items() if not k.startswith("distance_")}
+                    for t in row["turns"]]
+    path = tmp_path / "old.parquet"
+    pq.write_table(pa.Table.from_pylist([{f.name: row[f.name] for f in old}], schema=old), path)
+    with pytest.raises(ContractError) as err:
+        contracts.read_table(path, name)
+    message = str(err.value)
+    assert "column 'turns' lacks field 'turns.distance_before' (expected int32)" in message
+    assert "lacks field 'turns.distance_after'" in message
+    assert message.endswith(f"rerun the stage that writes it ({stage})")
+
+
+def test_episode_turns_round_trip_and_a_turn_without_distance_is_refused(tmp_path):
+    path = contracts.write_rows([episode_row()], tmp_path / "r.parquet", "rollouts")
+    assert contracts.read_rows(path, "rollouts") == [episode_row()]
+    row = episode_row()
+    del row["turns"][1]["distance_after"]
+    with pytest.raises(ContractError, match=r"row 0, column 'turns': "
+                       r"turns\[1\]\.distance_after is missing or null"):
+        contracts.write_rows([row], tmp_path / "bad.parquet", "rollouts")
+    with pytest.raises(ContractError, match=r"turns\[0\]\.distance_before is missing or null"):
+        contracts.to_table([episode_row(turns=[{**row["turns"][0], "distance_before": None}])],
+                           "episodes")

@@ -9,6 +9,7 @@ and 20 ``valid_seen`` games into a temporary folder (a few seconds).
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from pathlib import Path
 
@@ -74,6 +75,8 @@ def test_options_are_checked(tmp_path):
     with pytest.raises(TypeError, match="show_admissible"):
         make_environment("alfworld", max_turns=10, data_dir=str(tmp_path),
                          show_admissible="yes")
+    with pytest.raises(TypeError, match="oracle"):
+        make_environment("alfworld", max_turns=10, data_dir=str(tmp_path), oracle="yes")
 
 
 # ---- playing games ------------------------------------------------------------------------
@@ -187,6 +190,38 @@ def test_valid_seen_expert_follows_the_planner_and_wins(data_dir):
         assert ep.turns[0].response.startswith("Thought: ")
 
 
+def test_oracle_distance_falls_to_zero_along_the_recorded_episode(data_dir):
+    env = make_environment("alfworld", max_turns=MAX_TURNS, data_dir=str(data_dir), oracle=True)
+    for task in env.make_tasks("train", 3, 0):
+        ep = env.start(task)
+        ep.reset()
+        distances = [ep.distance_to_goal()]
+        for action in alf.read_expert_actions(data_dir / json.loads(task.spec)["game"])[1]:
+            distances.append(ep.step(action).distance)
+        ep.close()
+        # The recording searches: places without the object leave the distance as it was.
+        assert distances[0] > 0 and distances[-1] == 0 and ep.won, task.task_id
+        assert all(b <= a for a, b in itertools.pairwise(distances)), (task.task_id, distances)
+        assert distances[-distances[0] - 1:] == list(range(distances[0], -1, -1)), distances
+
+
+def test_oracle_distance_drops_by_one_along_the_planners_plan(data_dir):
+    task = _env(data_dir).make_tasks("valid_seen", 1, 0)[0]
+    ep = alf.AlfWorldEpisode(task, MAX_TURNS, data_dir, planner=True, oracle=True)
+    ep.reset()
+    assert ep.distance_to_goal() == len(ep.plan) > 0
+    for k, action in enumerate(ep.plan):
+        assert ep.step(action).distance == len(ep.plan) - k - 1
+    assert ep.won
+    ep.close()
+    # Without the option the distance is unknown until the game is won.
+    plain = _env(data_dir).start(task)
+    plain.reset()
+    assert plain.distance_to_goal() == -1
+    assert [plain.step(a).distance for a in ep.plan][-2:] == [-1, 0]
+    plain.close()
+
+
 def test_games_step_in_worker_processes(data_dir):
     # Slow environments step in worker processes (rollout.env_workers); the workers rebuild
     # the environment from its name and options and must give what the episode gives here.
@@ -196,9 +231,9 @@ def test_games_step_in_worker_processes(data_dir):
     task = env.make_tasks("train", 1, 0)[0]
     actions = alf.read_expert_actions(data_dir / json.loads(task.spec)["game"])[1]
     with EnvWorkers("alfworld", MAX_TURNS, {"data_dir": str(data_dir)}, 1) as workers:
-        first = workers.start([("a", task)])[0]
-        assert f"Your task is to: {task.instruction}" in first
+        first, distance = workers.start([("a", task)])[0]
+        assert f"Your task is to: {task.instruction}" in first and distance == -1
         for action in actions:
             res = workers.receive_steps(workers.send_steps([("a", action)]))["a"]
             assert res.admissible, action
-        assert res.won and res.done
+        assert res.won and res.done and res.distance == 0

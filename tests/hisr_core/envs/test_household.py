@@ -5,8 +5,10 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
+import itertools
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hisr_core.envs import NOTHING_HAPPENS, Task, make_environment, registered
+from hisr_core.envs import NOTHING_HAPPENS, UNKNOWN_DISTANCE, Task, make_environment, registered
 from hisr_core.envs import household as hh
 
 SPLITS = ("train", "valid_seen", "valid_unseen")
@@ -497,3 +499,177 @@ def test_expert_slips_then_recovers_and_still_wins():
     assert env.expert_play(task, 0.3) == env.expert_play(task, 0.3)
     with pytest.raises(ValueError, match="slip_rate"):
         env.expert_play(task, 1.5)
+
+
+# ---- oracle distance ---------------------------------------------------------------------
+
+#: The tiny room's tasks and their oracle distances from the start (counted by hand).
+_TINY_GOALS = {
+    # go to fridge 1, open fridge 1, take apple 1, go to countertop 1, put (apple 2 lies in a
+    # countertop from the start and never counts)
+    "PICK": ({"goal_type": "PICK"}, 5),
+    # apple 2: go to countertop 1, take, go to sinkbasin 1, clean, go to shelf 1, put
+    "CLEAN": ({"goal_type": "CLEAN", "target": "shelf",
+               "instruction": "put a clean apple in shelf"}, 6),
+    "HEAT": ({"goal_type": "HEAT", "target": "shelf",
+              "instruction": "put a hot apple in shelf"}, 6),
+    # apple 1: go to fridge 1, open, take, cool right there, go to shelf 1, put
+    "COOL": ({"goal_type": "COOL", "target": "shelf",
+              "instruction": "put a cool apple in shelf"}, 6),
+    # go to desk 1, take book 1, use desklamp 1
+    "LOOK": ({"goal_type": "LOOK", "obj": "book", "target": "",
+              "instruction": "look at book under the desklamp"}, 3),
+    # apple 2 to the shelf (4 steps), then apple 1 from the closed fridge (5 steps)
+    "PICK2": ({"goal_type": "PICK2", "target": "shelf",
+               "instruction": "put two apple in shelf"}, 9),
+}
+_NO_CHANGE = {hh._EXAM_R, hh._EXAM_O, hh._LOOK, hh._INV}
+
+
+def _state(ep) -> tuple:
+    return (ep._loc, ep._holding, tuple(tuple(sorted(c)) for c in ep._contents),
+            tuple(ep._closed), tuple(map(tuple, ep._props)), tuple(ep._lamp_on), ep._won)
+
+
+def _restore(ep, state: tuple) -> None:
+    ep._loc, ep._holding = state[0], state[1]
+    ep._contents = [list(c) for c in state[2]]
+    ep._closed, ep._props = list(state[3]), [list(p) for p in state[4]]
+    ep._lamp_on, ep._won, ep._cmds = list(state[5]), state[6], None
+
+
+def _bfs_distance(ep, limit: int) -> int | None:
+    """The fewest commands from ``ep``'s state to a win, by breadth-first search over the
+    episode's own rules (None beyond ``limit``); ``ep`` is left as it was."""
+    start = _state(ep)
+    seen, frontier = {start}, [start]
+    try:
+        for depth in range(1, limit + 1):
+            nxt = []
+            for state in frontier:
+                _restore(ep, state)
+                for op in list(ep._commands().values()):
+                    if op[0] in _NO_CHANGE:
+                        continue
+                    _restore(ep, state)
+                    ep._apply(*op)
+                    after = _state(ep)
+                    if ep._won:
+                        return depth
+                    if after not in seen:
+                        seen.add(after)
+                        nxt.append(after)
+            frontier = nxt
+        return None
+    finally:
+        _restore(ep, start)
+
+
+@pytest.mark.parametrize("goal", list(_TINY_GOALS))
+def test_oracle_plan_drops_the_distance_by_one_per_step(goal):
+    kw, expected = _TINY_GOALS[goal]
+    ep, _ = _episode(**kw)
+    assert ep.distance_to_goal() == expected
+    plan = ep.oracle_plan()
+    assert len(plan) == expected
+    for k, cmd in enumerate(plan):
+        res = ep.step(cmd)
+        assert res.admissible and res.distance == expected - k - 1 == ep.distance_to_goal(), cmd
+    assert ep.won and ep.oracle_plan() == []
+
+
+def test_direct_pick_play_and_detours():
+    ep, _ = _episode()
+    assert ep.distance_to_goal() == 5
+    # Detours: going somewhere useless, looking, examining, a refused command.
+    for detour in ("go to shelf 1", "examine shelf 1", "look", "inventory", "fly away",
+                   "go to cabinet 1", "open cabinet 1", "examine mug 1"):
+        assert ep.step(detour).distance == 5, detour
+    distances = [ep.step(cmd).distance for cmd in (
+        "go to fridge 1", "open fridge 1", "take apple 1 from fridge 1", "go to countertop 1",
+        "put apple 1 in/on countertop 1")]
+    assert distances == [4, 3, 2, 1, 0] and ep.won
+
+
+def test_moves_that_undo_progress_raise_the_distance():
+    ep, _ = _episode()
+    assert [ep.step(c).distance for c in ("go to fridge 1", "open fridge 1")] == [4, 3]
+    assert ep.step("close fridge 1").distance == 4
+    assert [ep.step(c).distance for c in ("open fridge 1", "take apple 1 from fridge 1")] == [3, 2]
+    # Dropping the apple where it was (take again, go, put), or on a wrong shelf.
+    assert ep.step("put apple 1 in/on fridge 1").distance == 3
+    assert ep.step("take apple 1 from fridge 1").distance == 2
+    assert ep.step("go to shelf 1").distance == 2
+    assert ep.step("put apple 1 in/on shelf 1").distance == 3
+    # Picking up the wrong object costs a put to free the hands.
+    ep2, _ = _episode(**_TINY_GOALS["CLEAN"][0])
+    assert ep2.step("go to countertop 1").distance == 5
+    assert ep2.step("take knife 1 from countertop 1").distance == 6
+    assert ep2.step("put knife 1 in/on countertop 1").distance == 5
+
+
+def test_a_transform_undone_raises_the_distance():
+    ep, _ = _episode(**_TINY_GOALS["COOL"][0])
+    for cmd in ("go to fridge 1", "open fridge 1", "take apple 1 from fridge 1"):
+        ep.step(cmd)
+    assert ep.step("cool apple 1 with fridge 1").distance == 2
+    assert ep.step("go to microwave 1").distance == 2
+    assert ep.step("heat apple 1 with microwave 1").distance == 4  # cool again, then go on
+
+
+@pytest.mark.parametrize("goal", list(_TINY_GOALS))
+def test_oracle_distance_equals_breadth_first_search(goal):
+    kw, _ = _TINY_GOALS[goal]
+    rng = random.Random(goal)
+    ep, _ = _episode(max_turns=10_000, **kw)
+    checked = 0
+    while checked < 6:
+        d = ep.distance_to_goal()
+        if d <= 6:
+            assert _bfs_distance(ep, d + 1) == d, (goal, ep.oracle_plan())
+            checked += 1
+        for _ in range(rng.randint(1, 3)):
+            ep.step(rng.choice(ep.admissible_commands()))
+            if ep.won:
+                ep.reset()
+
+
+def test_oracle_plans_win_from_random_states_of_generated_rooms():
+    rng = random.Random(0)
+    env = make_environment("household", max_turns=10_000)
+    for task in _tasks("valid_unseen")[:120]:
+        ep = env.start(task)
+        ep.reset()
+        for _ in range(rng.randint(0, 25)):
+            if not ep.won:
+                ep.step(rng.choice(ep.admissible_commands()))
+        d = ep.distance_to_goal()
+        plan = ep.oracle_plan()
+        assert len(plan) == d
+        for k, cmd in enumerate(plan):
+            assert ep.step(cmd).distance == d - k - 1, (task.task_id, plan, k)
+        assert ep.won
+
+
+def test_expert_progress_ends_at_zero_and_slips_change_nothing():
+    env = _env()
+    for task in _tasks("train")[:150]:
+        played = env.expert_play(task, slip_rate=0.2)
+        ep = env.start(task)
+        ep.reset()
+        distances = [ep.distance_to_goal()]
+        distances += [ep.step(t.action).distance for t in played.turns]
+        assert distances[-1] == 0 and min(distances[:-1]) > 0, task.task_id
+        for k, turn in enumerate(played.turns):
+            if not turn.admissible:
+                assert distances[k + 1] == distances[k]
+        if task.task_type != "LOOK":  # LOOK's searcher may leave the lamp it passed
+            assert all(b <= a for a, b in itertools.pairwise(distances)), task.task_id
+
+
+def test_unreachable_goal_has_unknown_distance():
+    ep, _ = _episode(goal_type="PICK2", target="countertop", instruction="put two apple in "
+                     "countertop")  # apple 2 starts on the countertop: one apple counts
+    assert ep.distance_to_goal() == UNKNOWN_DISTANCE and ep.oracle_plan() is None
+    with pytest.raises(RuntimeError, match="reset"):
+        _env().start(_tiny_task()).distance_to_goal()

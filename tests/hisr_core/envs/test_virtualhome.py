@@ -209,6 +209,33 @@ def test_score_is_the_fraction_of_goal_conditions():
     assert all(s in {k / n for k in range(n + 1)} for s in scores)
 
 
+def test_distance_counts_unmet_conditions_down_to_zero_on_replay():
+    _sim()
+    task = _task("1004_2")  # walk, find and grab the food, open the freezer, put it inside
+    ep = _env().start(task)
+    ep.reset()
+    distances = [ep.distance_to_goal()]
+    for turn in _env().expert_play(task).turns:
+        distances.append(ep.step(turn.action).distance)
+        assert distances[-1] == len(ep.goal) - sum(ep.conditions())
+    assert distances == [3, 2, 2, 2, 2, 1, 0] and ep.won
+
+
+def test_undoing_a_met_condition_raises_the_distance():
+    _sim()
+    task = _task("1004_2")
+    ep = _env().start(task)
+    ep.reset()
+    turns = _env().expert_play(task).turns
+    for turn in turns[:-1]:
+        ep.step(turn.action)
+    assert turns[-2].action == "open freezer 1" and ep.distance_to_goal() == 1
+    res = ep.step("close freezer 1")
+    assert res.admissible and res.distance == 2
+    assert ep.step("open freezer 1").distance == 1
+    assert ep.step(turns[-1].action).distance == 0 and ep.won
+
+
 # ---- episode rules --------------------------------------------------------------------------
 
 

@@ -106,6 +106,16 @@ def test_play_records_every_turn_and_refills(env, tokenizer, grammar):
     assert not bad["won"] and bad["n_turns"] == env.max_turns
     assert all(not t["parsed"] and not t["admissible"] and t["action"] == "" for t in bad["turns"])
     assert bad["turns"][1]["observation"] == "Nothing happens."
+    # The oracle distance before and after every turn: from the reset state, chained, down to
+    # 0 on a win, unchanged by a turn that did nothing.
+    for r, t in zip(rows, tasks, strict=True):
+        ep = env.start(t)
+        ep.reset()
+        turns = r["turns"]
+        assert turns[0]["distance_before"] == ep.distance_to_goal() > 0
+        assert all(a["distance_after"] == b["distance_before"] for a, b in itertools.pairwise(turns))
+    assert all(r["turns"][-1]["distance_after"] == 0 for r in good)
+    assert all(t["distance_after"] == t["distance_before"] > 0 for t in bad["turns"])
     table = success_table(rows, env.task_types)
     assert table["success"]["all"] == pytest.approx(6 / 7)
     contracts.to_table(rows, "episodes")  # rows fit the contract
@@ -129,8 +139,8 @@ def test_env_worker_failure_names_the_worker(env):
 
     task = env.make_tasks("valid_seen", 1, 0)[0]
     with EnvWorkers("household", env.max_turns, {}, 1) as workers:
-        [obs] = workers.start([("a", task)])
-        assert obs.startswith("You are in the middle of a room.")
+        [(obs, distance)] = workers.start([("a", task)])
+        assert obs.startswith("You are in the middle of a room.") and distance > 0
         result = workers.receive_steps(workers.send_steps([("a", "look")]))["a"]
         assert result.observation.startswith("You are in the middle") and not result.done
         workers._owner["ghost"] = 0  # an episode the worker never started
