@@ -93,13 +93,17 @@ SCORED_SEGMENT = pa.struct(
     ]
 )
 
-#: Per-turn scores: the hindsight log-ratio, the normalised turn importance, the grounding bit.
+#: Per-turn scores: the hindsight log-ratio, the normalised turn importance, the grounding bit,
+#: the turn SPRM's reward (NaN without a turn model) and the true credit (the drop of the
+#: environment's oracle distance to the goal over the turn; docs/method.md, "Credit accuracy").
 SCORED_TURN = pa.struct(
     [
         pa.field("action", pa.string(), nullable=False),
         pa.field("admissible", pa.bool_(), nullable=False),
         pa.field("log_ratio", pa.float64(), nullable=False),
         pa.field("importance", pa.float64(), nullable=False),
+        pa.field("r_turn", pa.float64(), nullable=False),
+        pa.field("true_credit", pa.float64(), nullable=False),
     ]
 )
 

@@ -163,8 +163,31 @@ def _as_dict(c: Cell) -> dict[str, float]:
     return {"mean": c.mean, **({"std": c.std} if c.std is not None else {}), "seeds": c.n}
 
 
+def credit_table_rows(path: Path) -> tuple[list[str], list[list[str]]]:
+    """The rewards stage's ``credit.csv`` as a table: per scope and signal, each metric as
+    ``point [low, high]`` (the return-margin ratio to the outcome's as a plain number)."""
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    metrics = ["spearman", "kendall", "first_error_top1", "return_margin"]
+
+    def cell(row: dict[str, str], key: str) -> str:
+        point, low, high = row[key], row[f"{key}_low"], row[f"{key}_high"]
+        if not point:
+            return "–"
+        return f"{float(point):.3f} [{float(low):.3f}, {float(high):.3f}]" if low else \
+            f"{float(point):.3f}"
+
+    header = ["scope", "signal", "Spearman", "Kendall τ", "first error top-1", "return margin",
+              "margin / outcome's"]
+    body = [[r["scope"], r["signal"], *(cell(r, m) for m in metrics),
+             f"{float(r['return_margin_ratio']):.2f}" if r["return_margin_ratio"] else "–"]
+            for r in rows]
+    return header, body
+
+
 def _analyses(data: Path, out: Path) -> tuple[list[str], list[str]]:
-    """The segment and reward analyses (Fig. 3, Fig. 4 and its table, the case tables),
+    """The segment and reward analyses (Fig. 3, Fig. 4 and its table, the credit accuracy of
+    each reward signal, the case tables),
     where their stages have written them; the figures are copied beside the report."""
     md: list[str] = []
     page: list[str] = []
@@ -186,6 +209,13 @@ def _analyses(data: Path, out: Path) -> tuple[list[str], list[str]]:
         md += ["| " + " | ".join(rows[0]) + " |", "|---" * len(rows[0]) + "|",
                *("| " + " | ".join(r) + " |" for r in fmt), ""]
         page.append(_html_table(rows[0], fmt))
+    credit = data / "rewards" / "credit.csv"
+    if credit.is_file():
+        header, rows = credit_table_rows(credit)
+        title = "Credit accuracy against the oracle (95% bootstrap CIs over trajectories)"
+        md += [f"## {title}", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|",
+               *("| " + " | ".join(r) + " |" for r in rows), ""]
+        page.append(f"<h2>{html.escape(title)}</h2>" + _html_table(header, rows))
     cases_md, cases_html = data / "rewards" / "cases.md", data / "rewards" / "cases.html"
     if cases_md.is_file():
         text = cases_md.read_text(encoding="utf-8")

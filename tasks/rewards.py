@@ -5,17 +5,20 @@ case tables (the paper's Table 2)."""
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from hisr_core import contracts
 from hisr_core.agent.models import load_model, load_tokenizer
 from hisr_core.agent.prompts import PromptBuilder
 from hisr_core.config import Params
-from hisr_core.envs import environment_class
+from hisr_core.envs import UNKNOWN_DISTANCE, environment_class
+from hisr_core.rewards.credit import CreditRecord, credit_table, segment_credit
 from hisr_core.rewards.gated_attention import load_gated
 from hisr_core.rewards.hindsight import Window, hindsight_logprobs
 from hisr_core.rewards.modulation import POSITIONS, TURN_LEVEL, position_mass, trajectory_rewards
@@ -72,7 +75,9 @@ def score(params: Params, d_st: Path, pi_ref: Path, pi_hind: Path, sprm: Path,
                           "r_him": float(res.r_him[j])} for j, s in enumerate(segments)],
             "turns": [{"action": t["action"], "admissible": t["admissible"],
                        "log_ratio": float(res.log_ratios[k]),
-                       "importance": float(res.turn_importance[k])}
+                       "importance": float(res.turn_importance[k]),
+                       "r_turn": float(turn_r[i][k]) if turn_r[i] is not None else math.nan,
+                       "true_credit": _true_credit(t)}
                       for k, t in enumerate(row["turns"])],
             "variants": [{"variant": v, "turn_rewards": res.variants[v].tolist()}
                          for v in cfg.variants],
@@ -97,6 +102,76 @@ def reward_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if len(rows) >= 2:
         out["r_hat_sum"]["pearson_all"] = pearson(sums, [r["outcome"] for r in rows])
     return out
+
+
+#: The reward signals whose credit accuracy is measured (docs/method.md, "Credit accuracy"),
+#: per segment: the segment SPRM's ``r_hat``, the modulated ``r_him``, the importance ``z``
+#: alone and the turn SPRM summed per segment; then every variant's fused reward.
+SIGNALS = ("r_hat", "r_him", "z", "turn_sprm")
+
+
+def _true_credit(turn: dict[str, Any]) -> float:
+    """The drop of the oracle distance over a turn; NaN where the environment cannot tell
+    (ALFWorld without ``env.options.oracle``)."""
+    before, after = turn["distance_before"], turn["distance_after"]
+    return math.nan if UNKNOWN_DISTANCE in (before, after) else float(before - after)
+
+
+def credit_records(rows: Sequence[dict[str, Any]]) -> list[CreditRecord | None]:
+    """Each rewards row as the credit metrics read it (``None`` where its true credit is
+    unknown): its turns' true credit, its segments' signals, and each variant's fused rewards
+    summed per segment and over the trajectory (its return with ``ppo.gamma: 1``)."""
+    records: list[CreditRecord | None] = []
+    for row in rows:
+        if any(math.isnan(t["true_credit"]) for t in row["turns"]):
+            records.append(None)
+            continue
+        segments = tuple(Segment.from_row(s) for s in row["segments"])
+        turn_sprm = np.array([t["r_turn"] for t in row["turns"]], dtype=np.float64)
+        signals = {"r_hat": [s["r_hat"] for s in row["segments"]],
+                   "r_him": [s["r_him"] for s in row["segments"]],
+                   "z": [s["importance"] for s in row["segments"]]}
+        if np.isfinite(turn_sprm).all():
+            signals["turn_sprm"] = segment_credit(turn_sprm, segments)
+        returns = {}
+        for v in row["variants"]:
+            fused = np.asarray(v["turn_rewards"], dtype=np.float64)
+            signals[v["variant"]] = segment_credit(fused, segments)
+            returns[v["variant"]] = float(fused.sum())
+        records.append(CreditRecord([t["true_credit"] for t in row["turns"]], segments,
+                                    row["won"], row["outcome"], signals, returns))
+    return records
+
+
+def credit_metrics(rows: Sequence[dict[str, Any]], held_out: Sequence[int], n_boot: int,
+                   seed: int) -> dict[str, dict[str, float]]:
+    """The credit-accuracy table (:func:`hisr_core.rewards.credit.credit_table`) over all of
+    ``D_st`` (``credit``) and over the trajectories of the tasks the SPRM held out (rows
+    ``held_out``; ``credit_heldout``), keyed ``<signal>/<metric>``; trajectories whose true
+    credit is unknown are left out (none known: no table)."""
+    records = credit_records(rows)
+    out = {}
+    for scope, sel in (("credit", records), ("credit_heldout", [records[i] for i in held_out])):
+        sel = [r for r in sel if r is not None]
+        if sel:
+            table = credit_table(sel, n_boot=n_boot, seed=seed)
+            out[scope] = {k.removeprefix("credit/"): v for k, v in table.items()}
+    return out
+
+
+def write_credit_csv(metrics: dict[str, dict[str, float]], path: Path) -> None:
+    """One row per scope and signal: each metric with its 95% CI (empty where undefined)."""
+    columns = ["spearman", "kendall", "first_error_top1", "return_margin"]
+    header = ["scope", "signal"] + [f"{c}{e}" for c in columns for e in ("", "_low", "_high")]
+    header.append("return_margin_ratio")
+    rows = []
+    for scope, table in metrics.items():
+        names = dict.fromkeys(k.rsplit("/", 1)[0] for k in table)
+        for name in names:
+            values = [table.get(f"{name}/{h}") for h in header[2:]]
+            rows.append([scope, name, *("" if v is None or not np.isfinite(v) else f"{v:.4f}"
+                                        for v in values)])
+    write_csv(path, [header, *rows])
 
 
 def _mean(xs: Sequence[float]) -> float:

@@ -158,6 +158,7 @@ def test_dvc_repro_end_to_end(repo):
 
     report = (copy / "data" / "report" / "report.md").read_text()
     assert "## Success rate, valid_seen" in report
+    assert "## Credit accuracy against the oracle" in report and "| credit | r_him |" in report
     assert all(f"| {p} |" in report for p in ["sft", *VARIANTS])
     assert (copy / "data" / "report" / "report.html").read_text().startswith("<!doctype html>")
     assert (copy / "data" / "report" / "curves.png").stat().st_size > 1000

@@ -90,6 +90,16 @@ def test_sprm_hindsight_and_rewards_stages(staged, run_module, write_params, mlf
             pytest.approx(sum(abs(seg["r_hat"]) for seg in r["segments"]))
         assert [v["variant"] for v in r["variants"]] == VARIANTS
         assert all(len(v["turn_rewards"]) == s["n_turns"] for v in r["variants"])
+        # True credit: the drop of the household oracle's distance over each turn.
+        assert [t["true_credit"] for t in r["turns"]] == \
+            [t["distance_before"] - t["distance_after"] for t in s["turns"]]
+    credit = json.loads((data / "rewards" / "metrics.json").read_text())["credit"]
+    for signal in ("r_hat", "r_him", "z", "turn_sprm", *VARIANTS):
+        assert -1 <= credit[f"{signal}/spearman"] <= 1, signal
+        assert credit[f"{signal}/spearman_low"] <= credit[f"{signal}/spearman_high"], signal
+    assert all(f"{v}/return_margin_ratio" in credit for v in VARIANTS)
+    header = (data / "rewards" / "credit.csv").read_text().splitlines()[0]
+    assert header.startswith("scope,signal,spearman,spearman_low,spearman_high,kendall")
     metrics = json.loads((data / "rewards" / "metrics.json").read_text())["rewards"]
     assert metrics["trajectories"] == 12
     share = metrics["position_share"]["all/r_him"]
@@ -112,6 +122,7 @@ def test_sprm_hindsight_and_rewards_stages(staged, run_module, write_params, mlf
     assert len(client.get_metric_history(runs["sprm"].info.run_id, "losses/sprm_turn")) == 3
     assert client.get_metric_history(runs["hindsight"].info.run_id, "losses/hindsight")
     assert "rewards/trajectories" in runs["rewards"].data.metrics
+    assert "credit/r_him/spearman" in runs["rewards"].data.metrics
     # The SPRMs and pi_hind are the runs' logged models, and they load and score.
     models = {**run_models(runs["sprm"].info.run_id), **run_models(runs["hindsight"].info.run_id)}
     assert {name: m.tags["hisr.kind"] for name, m in models.items()} == {
