@@ -295,6 +295,20 @@ class RewardsParams(Section):
     cases: int = Field(3, ge=0)
     """Successful and failed trajectories shown in the case tables (each)."""
 
+    importance: Literal["paper", "length_neutral"] = "paper"
+    """Segment importance: ``paper`` sums the segment's normalised turn importances;
+    ``length_neutral`` divides that by the segment's share of turns and renormalises, so equal
+    log-ratios leave ``r_him = r_hat`` (docs/method.md, "Reward options")."""
+
+    rescale: Literal["l1", "signed_total"] = "l1"
+    """Rescale of ``r_hat * z``: ``l1`` keeps ``sum |r_hat|``; ``signed_total`` rescales the
+    positive and the negative segment rewards separately, each keeping its own total, so the
+    signed ``sum r_hat`` is kept too (docs/method.md, "Reward options")."""
+
+    grounding: Literal["bonus", "penalty"] = "bonus"
+    """Action-grounding reward: ``bonus`` is 1 for an admissible action, 0 otherwise (the
+    paper); ``penalty`` is 0 and -1, so a longer episode earns nothing more."""
+
 
 Variant = Literal["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo", "grpo", "rft"]
 
@@ -319,7 +333,8 @@ class SamplingParams(Section):
 class PpoParams(SamplingParams):
     """The ``ppo`` stage (docs/method.md stage 7): multi-turn PPO from ``pi_ref`` with a critic, for
     each variant of the variants table of docs/method.md and the baselines. ``rewards.beta`` / ``rewards.alpha``
-    shape the rewards; one iteration is collect → segment → score → fuse → advantages →
+    and the reward options (``rewards.importance`` / ``rescale`` / ``grounding``) shape the
+    rewards; one iteration is collect → segment → score → fuse → advantages →
     update."""
 
     seed: int = Field(0, ge=0)

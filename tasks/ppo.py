@@ -16,6 +16,7 @@ from hisr_core.config import Params
 from hisr_core.envs import Task, environment_class, make_environment
 from hisr_core.rewards.gated_attention import load_gated
 from hisr_core.rewards.hindsight import Window
+from hisr_core.rewards.modulation import RewardOptions
 from hisr_core.rewards.sprm import load_sprm
 from hisr_core.rl.loop import (
     Frozen,
@@ -48,7 +49,10 @@ def sections(params: Params, variant: str) -> dict[str, Any]:
                         "entropy_threshold": params.segment.entropy_threshold,
                         "entropy_min_turns": params.segment.entropy_min_turns},
             "hindsight": {"past": params.hindsight.past, "future": params.hindsight.future},
-            "rewards": {"beta": params.rewards.beta, "alpha": params.rewards.alpha},
+            "rewards": {"beta": params.rewards.beta, "alpha": params.rewards.alpha,
+                        "importance": params.rewards.importance,
+                        "rescale": params.rewards.rescale,
+                        "grounding": params.rewards.grounding},
             "rollout": {"max_new_tokens": params.rollout.max_new_tokens,
                         "batch_size": params.rollout.batch_size,
                         "kv_dtype": params.rollout.kv_dtype},
@@ -123,6 +127,7 @@ def _inputs(params: Params, variant: str, tokenizer: Any, tasks_path: Path, d_st
     builder = PromptBuilder.of(tokenizer, params.model)
     common = {"window": Window.of(params.hindsight),
               "beta": params.rewards.beta, "alpha": params.rewards.alpha,
+              "options": RewardOptions.of(params.rewards),
               "max_new_tokens": params.rollout.max_new_tokens,
               "batch_size": params.rollout.batch_size,
               "kv_dtype": params.rollout.kv_dtype, "progress": True}

@@ -21,7 +21,13 @@ from hisr_core.envs import UNKNOWN_DISTANCE, environment_class
 from hisr_core.rewards.credit import CreditRecord, credit_table, segment_credit
 from hisr_core.rewards.gated_attention import load_gated
 from hisr_core.rewards.hindsight import Window, hindsight_logprobs
-from hisr_core.rewards.modulation import POSITIONS, TURN_LEVEL, position_mass, trajectory_rewards
+from hisr_core.rewards.modulation import (
+    POSITIONS,
+    TURN_LEVEL,
+    RewardOptions,
+    position_mass,
+    trajectory_rewards,
+)
 from hisr_core.rewards.sprm import load_sprm, pearson, turn_rewards
 from hisr_core.segment.segmenter import Segment
 from hisr_core.train.engine import resolve_dtype
@@ -66,7 +72,8 @@ def score(params: Params, d_st: Path, pi_ref: Path, pi_hind: Path, sprm: Path,
         segments = [Segment.from_row(s) for s in row["segments"]]
         admissible = [t["admissible"] for t in row["turns"]]
         res = trajectory_rewards(policy[i], hind[i], seg_r[i], turn_r[i], segments, admissible,
-                                 row["outcome"], cfg.beta, cfg.alpha, cfg.variants)
+                                 row["outcome"], cfg.beta, cfg.alpha, cfg.variants,
+                                 RewardOptions.of(cfg))
         out_rows.append({
             **{k: row[k] for k in ("task_id", "env", "split", "task_type", "instruction",
                                    "sample", "n_turns", "won", "outcome", "segmenter")},

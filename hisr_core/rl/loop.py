@@ -41,7 +41,14 @@ from hisr_core.agent.prompts import Encoded, PromptBuilder
 from hisr_core.config import PpoParams
 from hisr_core.envs import Environment, Task
 from hisr_core.rewards.hindsight import Window, hindsight_logprobs
-from hisr_core.rewards.modulation import MODULATED, TURN_LEVEL, log_ratio, variant_rewards
+from hisr_core.rewards.modulation import (
+    MODULATED,
+    PAPER,
+    TURN_LEVEL,
+    RewardOptions,
+    log_ratio,
+    variant_rewards,
+)
 from hisr_core.rewards.sprm import SegmentRewardModel, trajectory_of, turn_rewards
 from hisr_core.rl.ppo import (
     entropy_from_logits,
@@ -406,9 +413,11 @@ def score(learner: Learner, frozen: Frozen, builder: PromptBuilder, grammar: Seq
 
 
 # -- 4. fuse ---------------------------------------------------------------------------------------
-def fuse(scored: Sequence[Scored], variant: str, beta: float, alpha: float) -> None:
-    """Step 4: each trajectory's per-turn rewards of ``variant`` (``grpo``: the outcome, which
-    only its group advantage reads)."""
+def fuse(scored: Sequence[Scored], variant: str, beta: float, alpha: float,
+         options: RewardOptions = PAPER) -> None:
+    """Step 4: each trajectory's per-turn rewards of ``variant`` under the reward ``options``
+    (the ``rewards.importance`` / ``rescale`` / ``grounding`` keys), as the rewards stage
+    computes them (``grpo``: the outcome, which only its group advantage reads)."""
     for sc in scored:
         row = sc.row
         m = len(row["turns"])
@@ -427,7 +436,7 @@ def fuse(scored: Sequence[Scored], variant: str, beta: float, alpha: float) -> N
         last = torch.tensor([s.last for s in sc.segments], dtype=torch.long)
         sc.turn_rewards = variant_rewards(variant, model_r.double()[last], ratios, sc.segments,
                                           [bool(t["admissible"]) for t in row["turns"]], alpha,
-                                          row["outcome"])
+                                          row["outcome"], options)
 
 
 # -- 5. advantages ---------------------------------------------------------------------------------
@@ -624,6 +633,8 @@ class Inputs:
     """What an iteration reads besides the models.
 
     online: env, tasks (the training split), segmenter settings, hindsight window.
+    beta, alpha, options: the reward settings (``rewards`` params; online only, offline rows
+    carry the rewards stage's).
     offline: rows (``D_st`` rows, each with ``turn_rewards`` of the variant).
     progress: progress bars inside an iteration (episodes played, sequences scored).
     """
@@ -640,6 +651,7 @@ class Inputs:
     window: Window = dataclasses.field(default_factory=Window)
     beta: float = 1.0
     alpha: float = 0.1
+    options: RewardOptions = dataclasses.field(default_factory=RewardOptions)
     max_new_tokens: int = 96
     batch_size: int = 32
     kv_dtype: str = "bfloat16"    # rollout.kv_dtype
@@ -675,7 +687,7 @@ def run_iteration(learner: Learner, frozen: Frozen, inputs: Inputs, iteration: i
         # 3. score, 4. fuse, 5. advantages
         scored = score(learner, frozen, inputs.builder, inputs.grammar, rows, segments,
                        inputs.window, cfg.max_batch_tokens, inputs.progress and info.is_main)
-        fuse(scored, learner.variant, inputs.beta, inputs.alpha)
+        fuse(scored, learner.variant, inputs.beta, inputs.alpha, inputs.options)
         samples = gather_samples(advantages(scored, keys, learner.variant, cfg), info)
     t2 = time.perf_counter()
     # 6. update
