@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from hisr_core.segment.segmenter import Segment, SegmentError
+from hisr_core.segment.segmenter import Segment, check_cover
 
 T = TypeVar("T")
 
@@ -42,38 +42,6 @@ def _vector(values: object, name: str) -> np.ndarray:
     if not np.isfinite(out).all():
         raise ValueError(f"{name} has non-finite values")
     return out
-
-
-def check_cover(segments: Sequence[Segment], n_turns: int) -> None:
-    """Raise :class:`~hisr_core.segment.segmenter.SegmentError` (a ``ValueError``) unless
-    ``segments`` are non-empty, in order, and cover turns ``0..n_turns-1`` exactly once; the
-    message names the problem (turns numbered from 1). Sub-goal texts are not checked."""
-    if n_turns < 1:
-        raise SegmentError("the trajectory has no turns")
-    if not segments:
-        raise SegmentError(f"no segments for {n_turns} turns")
-    for i, s in enumerate(segments, 1):
-        if s.first > s.last:
-            raise SegmentError(f"segment {i} is empty (turns {s.first + 1}-{s.last + 1})")
-        if s.first < 0 or s.last >= n_turns:
-            raise SegmentError(f"segment {i} (turns {s.first + 1}-{s.last + 1}) is out of "
-                               f"range: the trajectory has turns 1-{n_turns}")
-    if segments[0].first != 0:
-        raise SegmentError(f"turns 1-{segments[0].first} are in no segment (gap at the start)")
-    for i in range(1, len(segments)):
-        a, b = segments[i - 1], segments[i]
-        if b.first < a.first:
-            raise SegmentError(f"segment {i + 1} (from turn {b.first + 1}) is out of order: it "
-                               f"starts before segment {i} (turn {a.first + 1})")
-        if b.first <= a.last:
-            raise SegmentError(f"segments {i} and {i + 1} overlap at turns "
-                               f"{b.first + 1}-{min(a.last, b.last) + 1}")
-        if b.first > a.last + 1:
-            raise SegmentError(f"turns {a.last + 2}-{b.first} are in no segment "
-                               f"(gap between segments {i} and {i + 1})")
-    if segments[-1].last != n_turns - 1:
-        raise SegmentError(f"turns {segments[-1].last + 2}-{n_turns} are in no segment "
-                           "(gap at the end)")
 
 
 # --- true credit -------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ Segmenters (all pure functions of a trajectory, except ``llm`` which asks a serv
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -47,40 +46,48 @@ class Segment:
         return cls(int(row["first_turn"]), int(row["last_turn"]), str(row["subgoal"]))
 
 
-def validate(segments: Sequence[Segment], n_turns: int) -> None:
-    """Raise :class:`SegmentError` unless ``segments`` are ordered, contiguous, non-empty and
-    cover turns ``0..n_turns-1`` exactly once, each with a short sub-goal text. Messages name
-    turns from 1."""
+def check_cover(segments: Sequence[Segment], n_turns: int) -> None:
+    """Raise :class:`~hisr_core.segment.segmenter.SegmentError` (a ``ValueError``) unless
+    ``segments`` are non-empty, in order, and cover turns ``0..n_turns-1`` exactly once; the
+    message names the problem (turns numbered from 1). Sub-goal texts are not checked."""
     if n_turns < 1:
         raise SegmentError("the trajectory has no turns")
     if not segments:
-        raise SegmentError("no segments")
+        raise SegmentError(f"no segments for {n_turns} turns")
     for i, s in enumerate(segments, 1):
         if s.first > s.last:
             raise SegmentError(f"segment {i} is empty (turns {s.first + 1}-{s.last + 1})")
         if s.first < 0 or s.last >= n_turns:
             raise SegmentError(f"segment {i} (turns {s.first + 1}-{s.last + 1}) is out of "
                                f"range: the trajectory has turns 1-{n_turns}")
-        if not s.subgoal.strip():
-            raise SegmentError(f"segment {i} has no sub-goal text")
-        if len(s.subgoal) > MAX_SUBGOAL_CHARS:
-            raise SegmentError(f"segment {i}'s sub-goal is {len(s.subgoal)} characters "
-                               f"(at most {MAX_SUBGOAL_CHARS})")
-    for i, (a, b) in enumerate(itertools.pairwise(segments), 2):
+    for i in range(1, len(segments)):
+        a, b = segments[i - 1], segments[i]
         if b.first < a.first:
-            raise SegmentError(f"segment {i} (from turn {b.first + 1}) is out of order: it "
-                               f"starts before segment {i - 1} (turn {a.first + 1})")
+            raise SegmentError(f"segment {i + 1} (from turn {b.first + 1}) is out of order: it "
+                               f"starts before segment {i} (turn {a.first + 1})")
         if b.first <= a.last:
-            raise SegmentError(f"segments {i - 1} and {i} overlap at turns "
+            raise SegmentError(f"segments {i} and {i + 1} overlap at turns "
                                f"{b.first + 1}-{min(a.last, b.last) + 1}")
         if b.first > a.last + 1:
             raise SegmentError(f"turns {a.last + 2}-{b.first} are in no segment "
-                               f"(gap between segments {i - 1} and {i})")
+                               f"(gap between segments {i} and {i + 1})")
     if segments[0].first != 0:
         raise SegmentError(f"turns 1-{segments[0].first} are in no segment (gap at the start)")
     if segments[-1].last != n_turns - 1:
         raise SegmentError(f"turns {segments[-1].last + 2}-{n_turns} are in no segment "
                            "(gap at the end)")
+
+
+def validate(segments: Sequence[Segment], n_turns: int) -> None:
+    """Raise :class:`SegmentError` unless ``segments`` cover the turns (:func:`check_cover`),
+    each with a short sub-goal text."""
+    check_cover(segments, n_turns)
+    for i, s in enumerate(segments, 1):
+        if not s.subgoal.strip():
+            raise SegmentError(f"segment {i} has no sub-goal text")
+        if len(s.subgoal) > MAX_SUBGOAL_CHARS:
+            raise SegmentError(f"segment {i}'s sub-goal is {len(s.subgoal)} characters "
+                               f"(at most {MAX_SUBGOAL_CHARS})")
 
 
 def _split(actions: Sequence[str], starts: Sequence[int]) -> list[Segment]:

@@ -26,14 +26,7 @@ from hisr_core.rewards.credit import (
     turn_credit,
 )
 from hisr_core.segment.segmenter import Segment
-
-
-def spans(*lengths):
-    out, start = [], 0
-    for n in lengths:
-        out.append(Segment(start, start + n - 1, "g"))
-        start += n
-    return out
+from tests.hisr_core.rewards.helpers import spans
 
 
 def a(*xs):
@@ -71,7 +64,7 @@ def test_turn_credit_rejects_bad_distances():
     ([Segment(0, 2, "g"), Segment(2, 3, "g")], "segments 1 and 2 overlap at turns 3-3"),
     ([Segment(0, 3, "g"), Segment(4, 4, "g")], "segment 2 .* is out of range"),
     ([Segment(0, 1, "g"), Segment(3, 2, "g")], "segment 2 is empty"),
-    ([Segment(2, 3, "g"), Segment(0, 1, "g")], "gap at the start"),
+    ([Segment(2, 3, "g"), Segment(0, 1, "g")], r"segment 2 \(from turn 1\) is out of order"),
     ([Segment(0, 1, "g"), Segment(2, 3, "g"), Segment(0, 0, "g")], "segment 3 .* out of order"),
 ])
 def test_bad_segment_coverage_is_named(segments, problem):

@@ -22,19 +22,7 @@ from hisr_core.rewards.modulation import (
     variant_rewards,
 )
 from hisr_core.rl.loop import fuse
-from hisr_core.segment.segmenter import Segment
-
-
-def spans(*lengths):
-    out, start = [], 0
-    for n in lengths:
-        out.append(Segment(start, start + n - 1, "g"))
-        start += n
-    return out
-
-
-def t(*xs):
-    return torch.tensor(xs, dtype=torch.float64)
+from tests.hisr_core.rewards.helpers import spans, t
 
 
 def test_defaults_are_the_papers_reading():
