@@ -9,7 +9,8 @@ Reads ``<data>/segment/d_st.parquet``, ``<data>/sft/pi_ref``, ``<data>/hindsight
 per-turn rewards), the share of reward by segment position before and after modulation
 (``position_share.csv`` and ``.png``, the paper's Fig. 4), case tables (``cases.md`` and
 ``cases.html``, the paper's Table 2), the credit accuracy of every reward signal against the
-environment's oracle (``credit.csv``; ``credit`` and ``credit_heldout`` in ``metrics.json``) and
+environment's oracle (``credit.csv``; ``credit`` and ``credit_heldout`` in ``metrics.json``), the
+same under every combination of the reward options (``credit_options.csv``) and
 ``metrics.json``; logs them to MLflow.
 """
 
@@ -29,10 +30,12 @@ def rewards_flow(params_path: Path = Path("params.yaml"), data: Path = Path("dat
     from hisr_core.train.fit import split_by_task
     from tasks.rewards import (
         credit_metrics,
+        option_credit,
         reward_metrics,
         score,
         write_cases,
         write_credit_csv,
+        write_option_csv,
         write_position_plot,
     )
 
@@ -55,8 +58,11 @@ def rewards_flow(params_path: Path = Path("params.yaml"), data: Path = Path("dat
         _, held = split_by_task([r["task_id"] for r in rows], sprm_cfg.holdout, sprm_cfg.seed)
         credit = credit_metrics(rows, held, N_BOOT, seed=0)
         write_credit_csv(credit, out / "credit.csv")
+        write_option_csv(option_credit(rows, stage.params.rewards.alpha, held, N_BOOT, seed=0),
+                         out / "credit_options.csv")
         stage.log_files(*(out / name for name in ("position_share.csv", "position_share.png",
-                                                  "cases.md", "cases.html", "credit.csv")))
+                                                  "cases.md", "cases.html", "credit.csv",
+                                                  "credit_options.csv")))
         log_metrics({"rewards": metrics, **credit}, out / "metrics.json")
     share = metrics["position_share"]
     print(f"rewards: {metrics['trajectories']} trajectories; mean r_hat sum "

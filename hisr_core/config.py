@@ -305,9 +305,17 @@ class RewardsParams(Section):
     positive and the negative segment rewards separately, each keeping its own total, so the
     signed ``sum r_hat`` is kept too (docs/method.md, "Reward options")."""
 
-    grounding: Literal["bonus", "penalty"] = "bonus"
-    """Action-grounding reward: ``bonus`` is 1 for an admissible action, 0 otherwise (the
-    paper); ``penalty`` is 0 and -1, so a longer episode earns nothing more."""
+    grounding: Literal["bonus", "penalty"] = "penalty"
+    """Action-grounding reward: ``penalty`` is 0 for an admissible action and -1 otherwise, so
+    a longer episode earns nothing more (chosen by the credit table); ``bonus`` is 1 and 0 (the
+    paper; docs/method.md, "Reward options")."""
+
+    ratio_reference: Literal["policy", "pi_ref"] = "policy"
+    """Online PPO: what ``pi_hind`` is compared with in the log-ratio. ``policy``, the policy
+    being trained (the paper); ``pi_ref``, the SFT policy ``pi_hind`` is built on, so the
+    ratio measures only what the hindsight block adds, not how far the policy has moved (the
+    rewards stage scores ``pi_ref`` as the policy either way; docs/method.md, "Reward
+    options")."""
 
 
 Variant = Literal["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo", "grpo", "rft"]

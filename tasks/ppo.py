@@ -86,7 +86,7 @@ def resumable(checkpoint: Path, fp: str) -> dict[str, Any] | None:
 
 
 def _frozen(params: Params, variant: str, pi_ref: Path, pi_hind: Path, sprm: Path) -> Frozen:
-    need = needs(variant, params.ppo)
+    need = needs(variant, params.ppo, params.rewards.ratio_reference)
     dtype = resolve_dtype(params.model.dtype)
     dev = device()
 
@@ -128,6 +128,7 @@ def _inputs(params: Params, variant: str, tokenizer: Any, tasks_path: Path, d_st
     common = {"window": Window.of(params.hindsight),
               "beta": params.rewards.beta, "alpha": params.rewards.alpha,
               "options": RewardOptions.of(params.rewards),
+              "ratio_reference": params.rewards.ratio_reference,
               "max_new_tokens": params.rollout.max_new_tokens,
               "batch_size": params.rollout.batch_size,
               "kv_dtype": params.rollout.kv_dtype, "progress": True}

@@ -185,6 +185,34 @@ def credit_table_rows(path: Path) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
+def option_table_rows(path: Path) -> tuple[list[str], list[list[str]]]:
+    """The rewards stage's ``credit_options.csv`` as a table: per combination of the reward
+    options and scope, ``r_him``'s Spearman and Kendall τ with their CIs, and the return
+    margin over the outcome's of ``hisr`` and of the variant where it is lowest."""
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    groups: dict[tuple[str, ...], dict[str, dict[str, str]]] = {}
+    for r in rows:
+        key = (r["importance"], r["rescale"], r["grounding"], r["scope"])
+        groups.setdefault(key, {})[r["signal"]] = r
+
+    def ci(r: dict[str, str], key: str) -> str:
+        return (f"{float(r[key]):.3f} [{float(r[key + '_low']):.3f}, "
+                f"{float(r[key + '_high']):.3f}]") if r.get(key) else "–"
+
+    header = ["importance", "rescale", "grounding", "scope", "r_him Spearman", "r_him Kendall τ",
+              "hisr margin / outcome's", "lowest margin / outcome's"]
+    body = []
+    for key, signals in groups.items():
+        ratios = {s: float(r["return_margin_ratio"]) for s, r in signals.items()
+                  if r.get("return_margin_ratio")}
+        low = min(ratios, key=ratios.get) if ratios else None
+        body.append([*key, ci(signals["r_him"], "spearman"), ci(signals["r_him"], "kendall"),
+                     f"{ratios['hisr']:.2f}" if "hisr" in ratios else "–",
+                     f"{ratios[low]:.2f} ({low})" if low else "–"])
+    return header, body
+
+
 def _analyses(data: Path, out: Path) -> tuple[list[str], list[str]]:
     """The segment and reward analyses (Fig. 3, Fig. 4 and its table, the credit accuracy of
     each reward signal, the case tables),
@@ -209,13 +237,17 @@ def _analyses(data: Path, out: Path) -> tuple[list[str], list[str]]:
         md += ["| " + " | ".join(rows[0]) + " |", "|---" * len(rows[0]) + "|",
                *("| " + " | ".join(r) + " |" for r in fmt), ""]
         page.append(_html_table(rows[0], fmt))
-    credit = data / "rewards" / "credit.csv"
-    if credit.is_file():
-        header, rows = credit_table_rows(credit)
-        title = "Credit accuracy against the oracle (95% bootstrap CIs over trajectories)"
-        md += [f"## {title}", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|",
-               *("| " + " | ".join(r) + " |" for r in rows), ""]
-        page.append(f"<h2>{html.escape(title)}</h2>" + _html_table(header, rows))
+    for name, reader, title in (
+            ("credit.csv", credit_table_rows,
+             "Credit accuracy against the oracle (95% bootstrap CIs over trajectories)"),
+            ("credit_options.csv", option_table_rows,
+             ("Credit accuracy under each combination of the reward options (chosen on the "
+              "SPRM's training tasks, reported on its held-out tasks)"))):
+        if (data / "rewards" / name).is_file():
+            header, rows = reader(data / "rewards" / name)
+            md += [f"## {title}", "", "| " + " | ".join(header) + " |",
+                   "|---" * len(header) + "|", *("| " + " | ".join(r) + " |" for r in rows), ""]
+            page.append(f"<h2>{html.escape(title)}</h2>" + _html_table(header, rows))
     cases_md, cases_html = data / "rewards" / "cases.md", data / "rewards" / "cases.html"
     if cases_md.is_file():
         text = cases_md.read_text(encoding="utf-8")

@@ -4,6 +4,7 @@ case tables (the paper's Table 2)."""
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 from collections.abc import Sequence
@@ -18,15 +19,24 @@ from hisr_core.agent.models import load_model, load_tokenizer
 from hisr_core.agent.prompts import PromptBuilder
 from hisr_core.config import Params
 from hisr_core.envs import UNKNOWN_DISTANCE, environment_class
-from hisr_core.rewards.credit import CreditRecord, credit_table, segment_credit
+from hisr_core.rewards.credit import (
+    CreditRecord,
+    credit_table,
+    pooled_spearman,
+    position_r2,
+    segment_credit,
+)
 from hisr_core.rewards.gated_attention import load_gated
 from hisr_core.rewards.hindsight import Window, hindsight_logprobs
 from hisr_core.rewards.modulation import (
     POSITIONS,
     TURN_LEVEL,
     RewardOptions,
+    modulate,
     position_mass,
+    segment_importance,
     trajectory_rewards,
+    variants_from_ratios,
 )
 from hisr_core.rewards.sprm import load_sprm, pearson, turn_rewards
 from hisr_core.segment.segmenter import Segment
@@ -108,6 +118,22 @@ def reward_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
     if len(rows) >= 2:
         out["r_hat_sum"]["pearson_all"] = pearson(sums, [r["outcome"] for r in rows])
+    out["sprm_probe"] = shortcut_probe(rows)
+    return out
+
+
+def shortcut_probe(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """How much of ``r_hat`` its segment's position explains (``position_r2``; the true
+    credit's beside it), and ``r_hat``'s pooled Spearman with true credit
+    within won and within failed trajectories (the SPRM's length shortcut: a signal that only
+    tracks position ranks well pooled and poorly within each class)."""
+    records = [r for r in credit_records(rows) if r is not None]
+    out = {"position_r2": position_r2([[s["r_hat"] for s in r["segments"]] for r in rows]),
+           "position_r2_true_credit": position_r2([r.segment_credit for r in records])}
+    for name, won in (("won", True), ("failed", False)):
+        sel = [r for r in records if r.won == won]
+        out[f"spearman_{name}"] = pooled_spearman([r.segment_credit for r in sel],
+                                                  [r.signals["r_hat"] for r in sel])
     return out
 
 
@@ -179,6 +205,69 @@ def write_credit_csv(metrics: dict[str, dict[str, float]], path: Path) -> None:
             rows.append([scope, name, *("" if v is None or not np.isfinite(v) else f"{v:.4f}"
                                         for v in values)])
     write_csv(path, [header, *rows])
+
+
+#: Every combination of the reward options (docs/method.md, "Reward options"), each measured by
+#: the credit table over recorded trajectories (:func:`option_credit`).
+OPTION_GRID = tuple(RewardOptions(i, r, g) for i in ("paper", "length_neutral")
+                    for r in ("l1", "signed_total") for g in ("bonus", "penalty"))
+
+
+def refused(row: dict[str, Any], alpha: float, options: RewardOptions) -> dict[str, Any]:
+    """A rewards row with its importance ``z``, ``r_hat``'s modulation ``r_him`` and every
+    variant's fused rewards computed again under ``options``, from the log-ratios and model
+    rewards it records (no model is run)."""
+    segments = [Segment.from_row(s) for s in row["segments"]]
+    ratios = torch.tensor([t["log_ratio"] for t in row["turns"]], dtype=torch.float64)
+    r_hat = torch.tensor([s["r_hat"] for s in row["segments"]], dtype=torch.float64)
+    r_turn = torch.tensor([t["r_turn"] for t in row["turns"]], dtype=torch.float64)
+    z = segment_importance(ratios, segments, options.importance)
+    r_him = modulate(r_hat, z, options.rescale)
+    fused = variants_from_ratios(ratios, r_hat, None if r_turn.isnan().any() else r_turn,
+                                 segments, [t["admissible"] for t in row["turns"]],
+                                 row["outcome"], alpha, [v["variant"] for v in row["variants"]],
+                                 options)
+    return {**row,
+            "segments": [{**s, "importance": float(z[j]), "r_him": float(r_him[j])}
+                         for j, s in enumerate(row["segments"])],
+            "variants": [{"variant": v, "turn_rewards": r.tolist()} for v, r in fused.items()]}
+
+
+def option_credit(rows: Sequence[dict[str, Any]], alpha: float, held_out: Sequence[int],
+                  n_boot: int, seed: int) -> list[dict[str, Any]]:
+    """The credit table (:func:`credit_metrics`) of ``z``, ``r_him`` and every variant under
+    each combination of :data:`OPTION_GRID`, on the trajectories of the tasks the SPRM trained
+    on (``select``: where options are chosen) and of those it held out (``heldout``: where the
+    choice is reported). One record per options, scope and signal."""
+    held = set(held_out)
+    scopes = {"select": [i for i in range(len(rows)) if i not in held],
+              "heldout": sorted(held)}
+    out = []
+    for options in OPTION_GRID:
+        records = credit_records([refused(r, alpha, options) for r in rows])
+        for scope, index in scopes.items():
+            sel = [records[i] for i in index if records[i] is not None]
+            if not sel:
+                continue
+            names = ["z", "r_him", *sel[0].returns]
+            table = credit_table(sel, signals=names, n_boot=n_boot, seed=seed)
+            for name in names:
+                out.append({**dataclasses.asdict(options), "scope": scope, "signal": name,
+                            **{k.split("/")[-1]: v for k, v in table.items()
+                               if k.split("/")[1] == name}})
+    return out
+
+
+def write_option_csv(records: Sequence[dict[str, Any]], path: Path) -> None:
+    """:func:`option_credit`'s records, one row each (empty where a metric is undefined)."""
+    header = list(dict.fromkeys(k for r in records for k in r))
+    write_csv(path, [header, *([_cell(r.get(k)) for k in header] for r in records)])
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}" if np.isfinite(value) else ""
+    return "" if value is None else str(value)
 
 
 def _mean(xs: Sequence[float]) -> float:

@@ -271,6 +271,27 @@ def relative_margin(variant_margin: float, outcome_margin: float) -> float:
     return variant_margin / outcome_margin
 
 
+# --- shortcut probe ------------------------------------------------------------------------------
+
+
+def position_r2(signal: Sequence[np.ndarray], cap: int = 10) -> float:
+    """Share of a segment signal's variance explained by the segment's position alone: R² of
+    the least-squares fit of the values on a one-hot of their index in the trajectory (indices
+    from ``cap - 1`` on share one column). Near 1: the signal is a function of position, not of
+    what the segment did (the SPRM's length shortcut). nan for a constant signal.
+
+    Shape: ``signal[j]`` (n_j,), trajectory j's segments in order.
+    """
+    ys = [_vector(v, "signal") for v in signal]
+    y = np.concatenate(ys) if ys else np.zeros(0)
+    if y.size < 2 or float(y.var()) == 0.0:
+        return math.nan
+    position = np.concatenate([np.minimum(np.arange(v.size), cap - 1) for v in ys])
+    # The least-squares fit on a one-hot is each position's mean.
+    means = np.bincount(position, weights=y) / np.maximum(np.bincount(position), 1)
+    return float(1.0 - ((y - means[position]) ** 2).mean() / y.var())
+
+
 # --- bootstrap ---------------------------------------------------------------------------------
 
 

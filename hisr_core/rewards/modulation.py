@@ -239,19 +239,34 @@ def trajectory_rewards(policy_logp: Sequence[torch.Tensor], hindsight_logp: Sequ
     last = torch.tensor([s.last for s in segments], dtype=torch.long)
     r_hat = segment_model_r.double()[last]
     z_seg = segment_importance(ratios, segments, options.importance)
+    return TrajectoryRewards(ratios, turn_importance(ratios), r_hat, z_seg,
+                             modulate(r_hat, z_seg, options.rescale),
+                             variants_from_ratios(ratios, r_hat, turn_model_r, segments,
+                                                  admissible, outcome, alpha, variants, options))
+
+
+def variants_from_ratios(log_ratios: torch.Tensor, r_hat: torch.Tensor,
+                         turn_model_r: torch.Tensor | None, segments: Sequence[Segment],
+                         admissible: Sequence[bool], outcome: float, alpha: float,
+                         variants: Sequence[Variant], options: RewardOptions = PAPER
+                         ) -> dict[str, torch.Tensor]:
+    """Each variant's per-turn rewards from the per-turn log-ratios, the SPRM's segment rewards
+    and the turn-level model's turn rewards (what the rewards stage records), so recorded
+    trajectories can be fused again under other ``options``. Shape: log_ratios (m,), r_hat (n,),
+    turn_model_r (m,) or None (needed by ``no_spr`` / ``no_both``) → name → (m,)."""
+    m = len(admissible)
     turns = by_turn([""] * m)
     out: dict[str, torch.Tensor] = {}
     for v in variants:
         if v in TURN_LEVEL:
             if turn_model_r is None:
                 raise ValueError(f"variant {v} needs the turn-level reward model")
-            out[v] = variant_rewards(v, turn_model_r.double(), ratios, turns, admissible, alpha,
-                                     outcome, options)
+            out[v] = variant_rewards(v, turn_model_r.double(), log_ratios, turns, admissible,
+                                     alpha, outcome, options)
         else:
-            out[v] = variant_rewards(v, r_hat, ratios, segments, admissible, alpha, outcome,
-                                     options)
-    return TrajectoryRewards(ratios, turn_importance(ratios), r_hat, z_seg,
-                             modulate(r_hat, z_seg, options.rescale), out)
+            out[v] = variant_rewards(v, r_hat.double(), log_ratios, segments, admissible, alpha,
+                                     outcome, options)
+    return out
 
 
 POSITIONS = ("first", "middle", "last")

@@ -39,7 +39,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hisr_core.agent.prompts import Encoded, PromptBuilder
 from hisr_core.config import PpoParams
-from hisr_core.envs import Environment, Task
+from hisr_core.envs import UNKNOWN_DISTANCE, Environment, Task
+from hisr_core.rewards.credit import (
+    CreditRecord,
+    first_error_top1,
+    mean_kendall_tau,
+    pooled_spearman,
+    relative_margin,
+    return_margin,
+    segment_credit,
+)
 from hisr_core.rewards.hindsight import Window, hindsight_logprobs
 from hisr_core.rewards.modulation import (
     MODULATED,
@@ -203,11 +212,13 @@ class Learner:
         return None if self.critic is None else self.critic.model  # type: ignore[return-value]
 
 
-def needs(variant: str, cfg: PpoParams) -> dict[str, bool]:
-    """Which frozen models a variant reads: ``ref``, ``hind``, ``sprm``, ``turn_sprm``, and
-    whether it trains a ``critic``."""
+def needs(variant: str, cfg: PpoParams, ratio_reference: str = "policy") -> dict[str, bool]:
+    """Which frozen models a variant reads: ``ref`` (the KL term, or the hindsight log-ratio's
+    reference under ``rewards.ratio_reference: pi_ref``), ``hind``, ``sprm``, ``turn_sprm``,
+    and whether it trains a ``critic``."""
     online = cfg.mode == "online"
-    return {"ref": cfg.kl_coef > 0,
+    return {"ref": cfg.kl_coef > 0 or (online and variant in MODULATED
+                                       and ratio_reference == "pi_ref"),
             "hind": online and variant in MODULATED,
             "sprm": online and variant in {"hisr", "no_him", "no_agr"},
             "turn_sprm": online and variant in TURN_LEVEL,
@@ -361,9 +372,11 @@ def _ids_and_keep(encoded: Sequence[Encoded], pad_id: int) -> tuple[torch.Tensor
 
 def score(learner: Learner, frozen: Frozen, builder: PromptBuilder, grammar: Sequence[str],
           rows: Sequence[dict[str, Any]], segments: Sequence[list[Segment]],
-          window: Window, max_batch_tokens: int, progress: bool = False) -> list[Scored]:
+          window: Window, max_batch_tokens: int, reference: bool, progress: bool = False
+          ) -> list[Scored]:
     """Step 3 for this process's trajectories: every log-prob and value the update and the
-    rewards need, each computed once. ``progress``: a bar per model scoring."""
+    rewards need, each computed once. ``reference``: score ``pi_ref`` too (``needs``'s
+    ``ref``). ``progress``: a bar per model scoring."""
 
     def bar(label: str) -> str | None:
         return f"score {label}" if progress else None
@@ -381,7 +394,7 @@ def score(learner: Learner, frozen: Frozen, builder: PromptBuilder, grammar: Seq
     policy.eval()
     old = regroup(masked_logprobs(policy, flat, pad, max_batch_tokens, bar("policy")))
     ref = None
-    if learner.cfg.kl_coef > 0:
+    if reference:
         if frozen.ref is None:  # a LoRA policy: pi_ref is the policy without its adapters
             with policy.disable_adapter():  # type: ignore[operator]
                 ref = regroup(masked_logprobs(policy, flat, pad, max_batch_tokens,
@@ -414,10 +427,12 @@ def score(learner: Learner, frozen: Frozen, builder: PromptBuilder, grammar: Seq
 
 # -- 4. fuse ---------------------------------------------------------------------------------------
 def fuse(scored: Sequence[Scored], variant: str, beta: float, alpha: float,
-         options: RewardOptions = PAPER) -> None:
+         options: RewardOptions = PAPER, ratio_reference: str = "policy") -> None:
     """Step 4: each trajectory's per-turn rewards of ``variant`` under the reward ``options``
     (the ``rewards.importance`` / ``rescale`` / ``grounding`` keys), as the rewards stage
-    computes them (``grpo``: the outcome, which only its group advantage reads)."""
+    computes them (``grpo``: the outcome, which only its group advantage reads). The
+    log-ratio compares ``pi_hind`` with the policy's log-probs, or with ``pi_ref``'s under
+    ``ratio_reference: pi_ref``."""
     for sc in scored:
         row = sc.row
         m = len(row["turns"])
@@ -428,7 +443,9 @@ def fuse(scored: Sequence[Scored], variant: str, beta: float, alpha: float,
             sc.turn_rewards = variant_rewards("ppo", torch.zeros(0), torch.zeros(m), [], [True] * m,
                                               alpha, row["outcome"])
             continue
-        policy = sc.per_turn(sc.old_logp)
+        if ratio_reference == "pi_ref" and sc.ref_logp is None:
+            raise ValueError("rewards.ratio_reference: pi_ref needs pi_ref's log-probs")
+        policy = sc.per_turn(sc.ref_logp if ratio_reference == "pi_ref" else sc.old_logp)
         hind = sc.hind_logp if sc.hind_logp is not None else policy  # ratios 0: uniform z
         ratios = torch.tensor([log_ratio(h, p, beta) for h, p in zip(hind, policy, strict=True)],
                               dtype=torch.float64)
@@ -437,6 +454,45 @@ def fuse(scored: Sequence[Scored], variant: str, beta: float, alpha: float,
         sc.turn_rewards = variant_rewards(variant, model_r.double()[last], ratios, sc.segments,
                                           [bool(t["admissible"]) for t in row["turns"]], alpha,
                                           row["outcome"], options)
+
+
+def iteration_credit(scored: Sequence[Scored], segments: Sequence[Sequence[Segment]],
+                     info: DistInfo) -> dict[str, float]:
+    """The credit accuracy (docs/method.md, "Credit accuracy") of the variant's fused rewards
+    on this iteration's trajectories, every process's: summed per segment of ``segments`` (the
+    segmenter's, as the rewards stage measures every variant, whatever the variant's own) and
+    ranked against the oracle's true credit. Point estimates (a few episodes; the curve over
+    iterations shows the spread): ``credit/spearman``, ``credit/kendall``,
+    ``credit/first_error_top1``, ``credit/return_margin`` and its ratio to the outcome's; nan
+    where undefined, empty where the environment reports no distance."""
+    local = []
+    for sc, segs in zip(scored, segments, strict=True):
+        turns = sc.row["turns"]
+        before = [t.get("distance_before", UNKNOWN_DISTANCE) for t in turns]
+        after = [t.get("distance_after", UNKNOWN_DISTANCE) for t in turns]
+        if sc.turn_rewards is None or UNKNOWN_DISTANCE in before + after:
+            continue
+        fused = sc.turn_rewards.numpy()
+        local.append(CreditRecord.from_distances(
+            before, after, segs, sc.row["won"], sc.row["outcome"],
+            {"fused": segment_credit(fused, segs)}, {"fused": float(fused.sum())}))
+    records = local
+    if info.world_size > 1:
+        parts: list[list[CreditRecord] | None] = [None] * info.world_size
+        dist.all_gather_object(parts, local)
+        records = [r for part in parts if part for r in part]
+    if not records:
+        return {}
+    true, fused = [r.segment_credit for r in records], [r.signals["fused"] for r in records]
+    won = [r.won for r in records]
+    margin = return_margin([r.returns["fused"] for r in records], won)
+    return {"credit/spearman": pooled_spearman(true, fused),
+            "credit/kendall": mean_kendall_tau(true, fused)[0],
+            "credit/first_error_top1": first_error_top1(
+                [r.turn_credit for r in records], [r.segments for r in records], fused, won)[0],
+            "credit/return_margin": margin,
+            "credit/return_margin_ratio": relative_margin(
+                margin, return_margin([r.outcome for r in records], won))}
 
 
 # -- 5. advantages ---------------------------------------------------------------------------------
@@ -633,7 +689,7 @@ class Inputs:
     """What an iteration reads besides the models.
 
     online: env, tasks (the training split), segmenter settings, hindsight window.
-    beta, alpha, options: the reward settings (``rewards`` params; online only, offline rows
+    beta, alpha, options, ratio_reference: the reward settings (``rewards`` params; online only, offline rows
     carry the rewards stage's).
     offline: rows (``D_st`` rows, each with ``turn_rewards`` of the variant).
     progress: progress bars inside an iteration (episodes played, sequences scored).
@@ -652,6 +708,7 @@ class Inputs:
     beta: float = 1.0
     alpha: float = 0.1
     options: RewardOptions = dataclasses.field(default_factory=RewardOptions)
+    ratio_reference: str = "policy"
     max_new_tokens: int = 96
     batch_size: int = 32
     kv_dtype: str = "bfloat16"    # rollout.kv_dtype
@@ -686,8 +743,19 @@ def run_iteration(learner: Learner, frozen: Frozen, inputs: Inputs, iteration: i
         t1 = time.perf_counter()
         # 3. score, 4. fuse, 5. advantages
         scored = score(learner, frozen, inputs.builder, inputs.grammar, rows, segments,
-                       inputs.window, cfg.max_batch_tokens, inputs.progress and info.is_main)
-        fuse(scored, learner.variant, inputs.beta, inputs.alpha, inputs.options)
+                       inputs.window, cfg.max_batch_tokens,
+                       needs(learner.variant, cfg, inputs.ratio_reference)["ref"],
+                       inputs.progress and info.is_main)
+        fuse(scored, learner.variant, inputs.beta, inputs.alpha, inputs.options,
+             inputs.ratio_reference)
+        # Credit is measured over the segmenter's segments for every variant (the turn-level
+        # ones reward single turns online), as the rewards stage measures them.
+        measured = segments
+        if cfg.mode == "online" and learner.variant in TURN_LEVEL:
+            measured = [segment_offline(inputs.segmenter, r["turns"], inputs.verbs,
+                                        inputs.entropy_threshold, inputs.entropy_min_turns)
+                        for r in rows]
+        credit = iteration_credit(scored, measured, info)
         samples = gather_samples(advantages(scored, keys, learner.variant, cfg), info)
     t2 = time.perf_counter()
     # 6. update
@@ -705,6 +773,7 @@ def run_iteration(learner: Learner, frozen: Frozen, inputs: Inputs, iteration: i
         "rewards/fused_mean": reward / max(n_rows, 1),
         "time/generate_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2,
         "perf/tokens_per_s": metrics["update/tokens"] / max(t3 - t2, 1e-9),
+        **credit,
     })
     return metrics
 

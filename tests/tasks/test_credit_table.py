@@ -7,9 +7,21 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
-from tasks.report import credit_table_rows
-from tasks.rewards import credit_metrics, credit_records, write_credit_csv
+from hisr_core.rewards.modulation import PAPER, trajectory_rewards
+from hisr_core.segment.segmenter import Segment
+from tasks.report import credit_table_rows, option_table_rows
+from tasks.rewards import (
+    OPTION_GRID,
+    credit_metrics,
+    credit_records,
+    option_credit,
+    refused,
+    shortcut_probe,
+    write_credit_csv,
+    write_option_csv,
+)
 
 
 def _row(credits: list[float], cuts: list[tuple[int, int]], r_hat: list[float], won: bool,
@@ -77,3 +89,84 @@ def test_trajectories_of_unknown_credit_are_left_out():
     metrics = credit_metrics([*ROWS, unknown], held_out=[3], n_boot=10, seed=0)
     assert set(metrics) == {"credit"}
     assert metrics["credit"]["r_hat/kendall"] == 1.0
+
+
+@pytest.mark.parametrize("options", OPTION_GRID)
+def test_refused_rows_are_what_the_stage_computes_under_those_options(options):
+    """A row recorded under the paper's options, fused again under others from its log-ratios
+    and model rewards, equals the stage's own computation under those options."""
+    gen = torch.Generator().manual_seed(3)
+    policy = [torch.randn(n, generator=gen) for n in (3, 1, 4, 2, 2)]
+    hind = [p + 0.3 * torch.randn(p.shape, generator=gen) for p in policy]
+    seg_r, turn_r = torch.randn(5, generator=gen), torch.randn(5, generator=gen)
+    segments = [Segment(0, 1, ""), Segment(2, 2, ""), Segment(3, 4, "")]
+    admissible = [True, False, True, True, False]
+    variants = ["hisr", "no_him", "no_spr", "no_both", "no_agr", "ppo"]
+
+    def computed(opts):
+        return trajectory_rewards(policy, hind, seg_r, turn_r, segments, admissible, 0.0,
+                                  beta=1.0, alpha=0.2, variants=variants, options=opts)
+
+    recorded = computed(PAPER)
+    row = {"outcome": 0.0,
+           "segments": [{**s.to_row(), "r_hat": float(recorded.r_hat[j]),
+                         "importance": float(recorded.segment_importance[j]),
+                         "r_him": float(recorded.r_him[j])} for j, s in enumerate(segments)],
+           "turns": [{"admissible": a, "log_ratio": float(recorded.log_ratios[k]),
+                      "r_turn": float(turn_r[k])} for k, a in enumerate(admissible)],
+           "variants": [{"variant": v, "turn_rewards": recorded.variants[v].tolist()}
+                        for v in variants]}
+    again, expected = refused(row, 0.2, options), computed(options)
+    assert [s["r_him"] for s in again["segments"]] == pytest.approx(expected.r_him.tolist())
+    assert [s["importance"] for s in again["segments"]] == \
+        pytest.approx(expected.segment_importance.tolist())
+    for v in again["variants"]:
+        assert v["turn_rewards"] == pytest.approx(expected.variants[v["variant"]].tolist())
+
+
+def test_option_credit_by_hand_and_the_report_table(tmp_path):
+    """Rows 0 (won) and 1 (failed) select, row 2 is held out. Log-ratios 0: every turn weighs
+    1/3. Row 1, r_hat (0.5, -0.2) on segments of 1 and 2 turns: m = (1/6, -2/15); ``l1``
+    keeps sum |r_hat| = 0.7, so r_him = m * 0.7 / 0.3 sums to 7/90, and its ``hisr`` return
+    is 3 * 0.1 + 0.9 * 7/90 = 0.37; ``signed_total`` keeps each part: 0.3 + 0.9 * 0.3 = 0.57.
+    Row 0 (all positive, sum 1.3) returns 0.3 + 0.9 * 1.3 = 1.47 under both; ``penalty``
+    takes the 0.3 off both (all actions admissible). ``length_neutral``: r_him = r_hat."""
+    records = option_credit(ROWS, alpha=0.1, held_out=[2], n_boot=20, seed=0)
+    assert len(records) == len(OPTION_GRID) * 2 * 3  # z, r_him, hisr in each scope
+    by = {(r["importance"], r["rescale"], r["grounding"], r["scope"], r["signal"]): r
+          for r in records}
+    assert by[("paper", "l1", "bonus", "select", "hisr")]["return_margin"] == \
+        pytest.approx(1.47 - 0.37)
+    assert by[("paper", "signed_total", "bonus", "select", "hisr")]["return_margin"] == \
+        pytest.approx(1.47 - 0.57)
+    assert by[("paper", "l1", "penalty", "select", "hisr")]["return_margin"] == \
+        pytest.approx(1.17 - 0.07)
+    r_hat = credit_metrics(ROWS[:2], held_out=[], n_boot=20, seed=0)["credit"]
+    neutral = by[("length_neutral", "l1", "bonus", "select", "r_him")]
+    assert (neutral["spearman"], neutral["kendall"]) == \
+        (pytest.approx(r_hat["r_hat/spearman"]), r_hat["r_hat/kendall"])
+    assert math.isnan(by[("paper", "l1", "bonus", "heldout", "hisr")]["return_margin"])
+
+    path = tmp_path / "credit_options.csv"
+    write_option_csv(records, path)
+    header, rows = option_table_rows(path)
+    assert len(rows) == len(OPTION_GRID) * 2
+    row = next(r for r in rows if r[:4] == ["paper", "l1", "bonus", "select"])
+    assert row[header.index("hisr margin / outcome's")] == "1.10"
+    assert row[header.index("lowest margin / outcome's")] == "1.10 (hisr)"
+
+
+def test_shortcut_probe_by_hand():
+    """r_hat per position: (0.9, 0.4), (0.5, -0.2), (1.0, 0.0): position means 0.8 and 0.0667;
+    residuals (0.1, 0.333), (-0.3, -0.267), (0.2, -0.067). True credit within the won rows:
+    (2, 1), (3, 0) against r_hat (.9, .4), (1, 0): the same order, Spearman 1; within the
+    failed one, (1, -1) against (.5, -.2): 1 too."""
+    probe = shortcut_probe(ROWS)
+    y = [0.9, 0.4, 0.5, -0.2, 1.0, 0.0]
+    fitted = [0.8, 0.2 / 3, 0.8, 0.2 / 3, 0.8, 0.2 / 3]
+    mean = sum(y) / 6
+    r2 = 1 - sum((a - b) ** 2 for a, b in zip(y, fitted)) / sum((a - mean) ** 2 for a in y)
+    assert probe["position_r2"] == pytest.approx(r2)
+    assert probe["spearman_won"] == pytest.approx(1.0)
+    assert probe["spearman_failed"] == pytest.approx(1.0)
+    assert math.isnan(shortcut_probe(ROWS[:1])["spearman_failed"])  # no failed row

@@ -19,6 +19,7 @@ from hisr_core.rewards.credit import (
     kendall_tau_b,
     mean_kendall_tau,
     pooled_spearman,
+    position_r2,
     relative_margin,
     return_margin,
     segment_credit,
@@ -352,3 +353,13 @@ def test_records_are_checked():
 def test_a_variants_fused_turn_rewards_summed_per_segment():
     # Fused per-turn rewards (0.5, 0.3, 0.7) over segments {0, 1}, {2}: (0.8, 0.7).
     np.testing.assert_allclose(segment_credit(a(0.5, 0.3, 0.7), spans(2, 1)), a(0.8, 0.7))
+
+
+def test_position_r2_by_hand():
+    # A function of position alone: R² 1. Position says nothing (means 0.5, 0.5): R² 0.
+    assert position_r2([[1.0, 0.0], [1.0, 0.0, 0.5]]) == pytest.approx(1.0)
+    assert position_r2([[1.0, 0.0], [0.0, 1.0]]) == pytest.approx(0.0)
+    # cap 2: positions 0 1 1 1, means 0 and 2, residuals 0 -1 0 1 (mean square 0.5), variance
+    # of 0 1 2 3 is 1.25: R² = 1 - 0.5 / 1.25 = 0.6.
+    assert position_r2([[0.0, 1.0, 2.0, 3.0]], cap=2) == pytest.approx(0.6)
+    assert math.isnan(position_r2([[1.0, 1.0]]))

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hisr_core.config import RewardsParams
+from hisr_core.config import PpoParams, RewardsParams
 from hisr_core.rewards.modulation import (
     PAPER,
     RewardOptions,
@@ -21,13 +21,14 @@ from hisr_core.rewards.modulation import (
     trajectory_rewards,
     variant_rewards,
 )
-from hisr_core.rl.loop import fuse
+from hisr_core.rl.loop import fuse, needs
 from tests.hisr_core.rewards.helpers import spans, t
 
 
-def test_defaults_are_the_papers_reading():
+def test_defaults_are_the_papers_reading_but_the_grounding_penalty():
+    # The grounding default was chosen by the credit table (docs/method.md, "Reward options").
     assert PAPER == RewardOptions("paper", "l1", "bonus")
-    assert RewardOptions.of(RewardsParams()) == PAPER
+    assert RewardOptions.of(RewardsParams()) == RewardOptions("paper", "l1", "penalty")
     assert RewardOptions.of(RewardsParams(importance="length_neutral", rescale="signed_total",
                                           grounding="penalty")) == \
         RewardOptions("length_neutral", "signed_total", "penalty")
@@ -215,3 +216,39 @@ def test_ppo_fuse_honours_the_options():
     sc = scored()
     fuse([sc], "hisr", 1.0, 0.5)
     assert torch.allclose(sc.turn_rewards, t(0.5, 0.1, 0.8))
+
+
+# -- rewards.ratio_reference -----------------------------------------------------------------------
+def test_ratio_against_pi_ref_reads_pi_refs_log_probs():
+    """Online, the policy has moved: it now puts -0.5 on turn 3's token where pi_ref puts -1
+    (as pi_hind's block does not know). Against the policy the log-ratios are (0, 0,
+    ln 2 - 0.5); against pi_ref they are (0, 0, ln 2), the stage's case above."""
+    policy_now, hind, model_r, segs, adm = _case()
+    ref = list(policy_now)
+    policy_now = [t(-1.0), t(-1.0), t(-0.5)]
+    row = {"turns": [{"admissible": a} for a in adm], "outcome": 1.0}
+
+    def scored(ref_logp):
+        return SimpleNamespace(row=row, segments=segs, old_logp=policy_now, ref_logp=ref_logp,
+                               hind_logp=hind, model_r={"sprm": model_r}, turn_rewards=None,
+                               per_turn=lambda flat: list(flat))
+
+    against_ref = scored(ref)
+    fuse([against_ref], "hisr", 1.0, 0.5, OPTIONS, ratio_reference="pi_ref")
+    assert torch.allclose(against_ref.turn_rewards, HISR)
+    against_policy = scored(ref)
+    fuse([against_policy], "hisr", 1.0, 0.5, OPTIONS)
+    expected = variant_rewards("hisr", t(0.2, 0.6), t(0.0, 0.0, math.log(2) - 0.5), segs, adm,
+                               0.5, 1.0, OPTIONS)
+    assert torch.allclose(against_policy.turn_rewards, expected)
+    assert not torch.allclose(expected, HISR)
+    with pytest.raises(ValueError, match="pi_ref's log-probs"):
+        fuse([scored(None)], "hisr", 1.0, 0.5, ratio_reference="pi_ref")
+
+
+def test_ratio_against_pi_ref_scores_pi_ref_online_for_modulated_variants_only():
+    cfg = PpoParams(kl_coef=0.0)
+    assert needs("hisr", cfg, "pi_ref")["ref"] and needs("no_agr", cfg, "pi_ref")["ref"]
+    assert not needs("hisr", cfg)["ref"] and not needs("no_him", cfg, "pi_ref")["ref"]
+    assert not needs("hisr", PpoParams(kl_coef=0.0, mode="offline"), "pi_ref")["ref"]
+    assert RewardsParams().ratio_reference == "policy"

@@ -13,15 +13,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hisr_core.agent.models import build_builtin
 from hisr_core.config import PpoParams
+from hisr_core.envs import UNKNOWN_DISTANCE
 from hisr_core.rl.loop import (
     PPO_VARIANTS,
     ValueModel,
+    iteration_credit,
     iteration_tasks,
     load_critic,
     minibatch_windows,
@@ -30,6 +33,7 @@ from hisr_core.rl.loop import (
 )
 from hisr_core.train.engine import DistInfo
 from hisr_core.train.fit import epoch_batches
+from tests.hisr_core.rewards.helpers import spans
 from tests.hisr_core.rl import ppo_worker
 from tests.household_data import rollout_rows
 
@@ -64,6 +68,9 @@ def test_an_iteration_changes_every_trainable_parameter_of_policy_and_critic(tin
         assert math.isfinite(metrics[key]), key
     assert metrics["rollout/episodes"] == 6  # 3 tasks x 2 samples
     assert metrics["optim/steps"] == 4       # 2 epochs x 2 minibatches
+    # The household oracle reports distances: the iteration's credit accuracy is logged.
+    assert {"credit/spearman", "credit/kendall", "credit/first_error_top1",
+            "credit/return_margin", "credit/return_margin_ratio"} <= set(metrics)
 
 
 @pytest.mark.parametrize("variant", [v for v in PPO_VARIANTS if v != "hisr"])
@@ -76,6 +83,33 @@ def test_every_variant_trains_with_the_same_metric_names(tiny_dir, variant):
     assert all(math.isfinite(metrics[k]) for k in expected)
     assert unchanged(result, "policy") == []
     assert (result["initial"]["critic"] == {}) == (variant == "grpo")
+
+
+def _scored(before: list[int], after: list[int], rewards: list[float], won: bool) -> object:
+    turns = [{"distance_before": b, "distance_after": a} for b, a in zip(before, after)]
+    return SimpleNamespace(row={"turns": turns, "won": won, "outcome": float(won)},
+                           turn_rewards=torch.tensor(rewards, dtype=torch.float64))
+
+
+def test_iteration_credit_by_hand():
+    """Won: distances 3 2 1 0 (true credit 1 1 1) on segments {0, 1} {2}: segment credit 2, 1;
+    fused rewards 0.1 0.1 1 sum per segment to 0.2, 1 (ranked the other way: Kendall -1).
+    Failed: 2 3 3 (credit -1 0) on segments {0} {1}; rewards 0 0.2 (Kendall 1), and segment
+    0, the lowest, holds the first harmful turn. Pooled (true, fused): (2, .2) (1, 1) (-1, 0)
+    (0, .2): ranks true 4 3 1 2, fused 2.5 4 1 2.5; about 2.5 the products sum to 3 and the
+    squares to 5 and 4.5: Spearman 3 / sqrt(22.5). Returns 1.2 and 0.2: margin 1.0, the
+    outcome's. A trajectory of unknown distance is left out."""
+    won = _scored([3, 2, 1], [2, 1, 0], [0.1, 0.1, 1.0], True)
+    failed = _scored([2, 3], [3, 3], [0.0, 0.2], False)
+    unknown = _scored([UNKNOWN_DISTANCE], [UNKNOWN_DISTANCE], [1.0], True)
+    one = DistInfo(0, 1, 0)
+    got = iteration_credit([won, failed, unknown], [spans(2, 1), spans(1, 1), spans(1)], one)
+    assert got["credit/spearman"] == pytest.approx(3 / math.sqrt(22.5))
+    assert got["credit/kendall"] == pytest.approx(0.0)
+    assert got["credit/first_error_top1"] == 1.0
+    assert got["credit/return_margin"] == pytest.approx(1.0)
+    assert got["credit/return_margin_ratio"] == pytest.approx(1.0)
+    assert iteration_credit([unknown], [spans(1)], one) == {}
 
 
 def test_first_minibatch_ratio_is_one(tiny_dir):
@@ -157,6 +191,8 @@ def test_two_processes_match_one(tiny_dir, tmp_path, offline_reference, backend)
     assert_close_weights(result, offline_reference, atol=2e-5)
     for got, want in zip(result["history"], offline_reference["history"], strict=True):
         assert got["losses/policy"] == pytest.approx(want["losses/policy"], rel=1e-3, abs=1e-6)
+        # Credit over both processes' trajectories: what one process measures over them all.
+        assert got["credit/spearman"] == pytest.approx(want["credit/spearman"], nan_ok=True)
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (extra gpu)")
