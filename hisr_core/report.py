@@ -1,5 +1,6 @@
 """The report's tables: success rates per policy, split and task type, as mean ± std over seeds
-(the paper's Table 1), and mean learning curves. Pure functions over already-read metrics.
+(the paper's Table 1), paired bootstrap comparisons of policies over the same tasks and seeds,
+and mean learning curves. Pure functions over already-read metrics and outcomes.
 
 Notation: a *policy* is ``sft`` or a variant of ``sweep.variants``; each has one evaluation
 per seed (``sft``: one). An evaluation is the ``eval`` block of ``flows.evaluate``'s
@@ -13,6 +14,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 #: Row order of Table 1: the baselines first, then the ablations, HISR last.
 ROW_ORDER: tuple[str, ...] = ("sft", "rft", "ppo", "grpo", "no_both", "no_spr", "no_him",
@@ -93,3 +96,65 @@ def mean_curve(curves: Sequence[Sequence[Mapping[str, float]]], key: str
                 continue
             by_iteration.setdefault(int(row["iteration"]), []).append(float(value))
     return [(i, statistics.fmean(v)) for i, v in sorted(by_iteration.items())]
+
+
+# -- paired comparisons over tasks and seeds -------------------------------------------------------
+#: Bootstrap resamples and the two-sided level of the report's intervals.
+N_BOOT = 2000
+ALPHA = 0.05
+
+
+def outcome_matrix(runs: Sequence[Mapping[str, float]], tasks: Sequence[str]) -> np.ndarray:
+    """One row per seed, one column per task of ``tasks``: each run's outcome (1/0 success)
+    of that task. Every run must hold every task. Shape: S runs → (S, T)."""
+    missing = sorted({t for run in runs for t in tasks if t not in run})
+    if missing:
+        raise ValueError(f"{len(missing)} tasks have no outcome in some run, e.g. {missing[0]}")
+    return np.array([[float(run[t]) for t in tasks] for run in runs], dtype=np.float64)
+
+
+def _resampled_means(a: np.ndarray, b: np.ndarray, n_boot: int, seed: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Each matrix's mean over ``n_boot`` resamples of the same tasks (columns, with
+    replacement) and of its seeds (rows): the same row draw for both where they have as many
+    seeds (seed s of one pairs with seed s of the other), independent draws otherwise (a
+    single ``sft`` run is always its one row). Shape: (S_a, T), (S_b, T) → (n_boot,), (n_boot,).
+    """
+    rng = np.random.default_rng(seed)
+    n_tasks = a.shape[1]
+    cols = rng.integers(0, n_tasks, size=(n_boot, n_tasks))
+    rows_a = rng.integers(0, a.shape[0], size=(n_boot, a.shape[0]))
+    rows_b = rows_a if b.shape[0] == a.shape[0] else \
+        rng.integers(0, b.shape[0], size=(n_boot, b.shape[0]))
+
+    def means(m: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        # mean over drawn rows and columns = mean over drawn rows of each row's drawn-column mean
+        per_row = np.stack([m[:, c].mean(axis=1) for c in cols])   # (n_boot, S)
+        return np.take_along_axis(per_row, rows, axis=1).mean(axis=1)
+
+    return means(a, rows_a), means(b, rows_b)
+
+
+def success_interval(a: np.ndarray, n_boot: int = N_BOOT, seed: int = 0,
+                     alpha: float = ALPHA) -> tuple[float, float, float]:
+    """(mean success, percentile-bootstrap interval) of one policy's runs, tasks and seeds
+    resampled. Shape: (S, T)."""
+    if a.size == 0:
+        raise ValueError("no outcomes")
+    boot, _ = _resampled_means(a, a, n_boot, seed)
+    low, high = np.quantile(boot, [alpha / 2, 1 - alpha / 2])
+    return float(a.mean()), float(low), float(high)
+
+
+def paired_difference(a: np.ndarray, b: np.ndarray, n_boot: int = N_BOOT, seed: int = 0,
+                      alpha: float = ALPHA) -> tuple[float, float, float]:
+    """(mean success of ``a`` minus that of ``b``, paired percentile-bootstrap interval): both
+    evaluated on the same tasks (columns), which are resampled together, with seeds paired as
+    in :func:`_resampled_means`. An interval that excludes 0 tells the two apart. Shape:
+    (S_a, T), (S_b, T)."""
+    if a.shape[1] != b.shape[1] or a.size == 0 or b.size == 0:
+        raise ValueError(f"outcomes of shapes {a.shape} and {b.shape} are not over the same "
+                         "tasks")
+    boot_a, boot_b = _resampled_means(a, b, n_boot, seed)
+    low, high = np.quantile(boot_a - boot_b, [alpha / 2, 1 - alpha / 2])
+    return float(a.mean() - b.mean()), float(low), float(high)

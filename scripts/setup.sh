@@ -10,8 +10,9 @@ PYTHON=${PYTHON:-python3.11}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 EXTRAS=${EXTRAS:+,$EXTRAS}
 
-# --no-compile: Python compiles the bytecode of what is imported on first use, instead of pip
-# compiling every file of torch, transformers, mlflow and the rest up front.
+# --no-compile, then one compileall on every core at the end: pip compiles each package's
+# bytecode on one core. (Not left to first import: where PYTHONDONTWRITEBYTECODE is set, every
+# process would compile torch, transformers and prefect again.)
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
@@ -25,6 +26,8 @@ torch_pin="torch==$(.venv/bin/python -c 'import torch; print(torch.__version__.s
 # constraints.txt pins every transitive dependency to the versions CI was run with;
 # the installed torch is pinned too, so no requirement can swap it.
 .venv/bin/python -m pip install --quiet --no-compile -c constraints.txt -c <(echo "$torch_pin") -e ".[dev$EXTRAS]"
+# Files that do not compile (templates, Python 2 leftovers) are skipped, as pip skips them.
+.venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
 # TextWorld 1.7.0 (extra alfworld) packs its wheel's platform tags into one line that pip check
 # misreads as "not supported on this platform"; any other complaint fails the install.
 if ! report=$(.venv/bin/python -m pip check 2>&1); then

@@ -39,7 +39,8 @@ from tasks.tracking import LossCurve
 
 #: Per-iteration metrics drawn in ``curve.csv`` (the DVC plot) and the report's curves.
 CURVE = ("rollout/success", "rewards/fused_mean", "losses/policy", "losses/value", "policy/kl",
-         "policy/entropy")
+         "policy/entropy", "policy/clipfrac", "optim/grad_norm", "critic/explained_variance",
+         "rollout/parse_failure_rate", "credit/spearman", "credit/return_margin")
 
 
 def sections(params: Params, variant: str) -> dict[str, Any]:

@@ -15,14 +15,25 @@ from typing import Any
 
 from prefect import task
 
+from hisr_core import contracts
 from hisr_core.config import Params
-from hisr_core.report import Cell, markdown_table, mean_curve, ordered, success_table
+from hisr_core.report import (
+    Cell,
+    markdown_table,
+    mean_curve,
+    ordered,
+    outcome_matrix,
+    paired_difference,
+    success_interval,
+    success_table,
+)
 from tasks.evaluate import task_types
 from tasks.files import save_figure, write_csv, write_text
 
 #: Curve columns plotted (``curve.csv`` of a PPO run), with their axis labels.
 CURVES = {"rollout_success": "rollout success", "rewards_fused_mean": "fused reward / episode",
-          "policy_kl": "KL to pi_ref / token"}
+          "policy_kl": "KL to pi_ref / token", "policy_clipfrac": "clipped share of tokens",
+          "credit_spearman": "credit Spearman (fused vs oracle)"}
 
 
 @dataclass
@@ -33,6 +44,8 @@ class Inputs:
     evaluations: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     curves: dict[str, list[list[dict[str, float]]]] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
+    #: policy → split → one ``{task_id: 1.0 | 0.0}`` per seed whose episodes are at hand.
+    outcomes: dict[str, dict[str, list[dict[str, float]]]] = field(default_factory=dict)
 
 
 def _read_curve(path: Path) -> list[dict[str, float]]:
@@ -53,6 +66,9 @@ def gather(params: Params, data: Path) -> Inputs:
             found.evaluations.setdefault(policy, []).append(json.loads(metrics.read_text())["eval"])
         else:
             found.missing.append(f"evaluate {name}")
+        for episodes in sorted((data / "eval" / name / "episodes").glob("*.parquet")):
+            won = {r["task_id"]: float(r["won"]) for r in contracts.read_rows(episodes, "episodes")}
+            found.outcomes.setdefault(policy, {}).setdefault(episodes.stem, []).append(won)
         curve = data / "ppo" / policy / f"seed{seed}" / "curve.csv"
         if seed is not None and curve.is_file():
             rows = _read_curve(curve)
@@ -141,6 +157,17 @@ def write_report(params: Params, data: Path, out: Path) -> dict[str, Any]:
                          for c, cl in row.items()]
             summary.setdefault(policy, {})[split] = _as_dict(row["Avg"])
     write_csv(out / "table.csv", csv_rows)
+    for split in params.evaluate.splits:
+        header, rows = comparison_rows(found.outcomes, split)
+        if rows:
+            title = f"Paired comparisons, {split}"
+            note = ("Avg success and differences in percentage points, with 95% bootstrap "
+                    "intervals over the same tasks and seeds (seed s of one policy paired with "
+                    "seed s of the other); an interval that excludes 0 tells the two apart.")
+            md += [f"## {title}", "", note, "", "| " + " | ".join(header) + " |",
+                   "|---" * len(header) + "|", *("| " + " | ".join(r) + " |" for r in rows), ""]
+            page.append(f"<h2>{html.escape(title)}</h2><p>{html.escape(note)}</p>"
+                        + _html_table(header, rows))
     plot_curves(found.curves, out / "curves.png")
     if found.curves:
         md += ["## Learning curves", "", "Per PPO iteration, mean over seeds.", "",
@@ -157,6 +184,34 @@ def write_report(params: Params, data: Path, out: Path) -> dict[str, Any]:
                "solid #ccc;padding:2px 6px;font-size:90%}img{max-width:100%}</style></head>"
                "<body>" + "\n".join(page) + "</body></html>\n")
     return {"avg_success": summary, "missing": len(found.missing)}
+
+
+def comparison_rows(outcomes: dict[str, dict[str, list[dict[str, float]]]], split: str
+                    ) -> tuple[list[str], list[list[str]]]:
+    """Per policy with episodes of ``split``: its Avg success with a 95% interval, and its
+    paired difference to ``sft`` and to ``no_both`` (over the tasks every run played)."""
+    runs = {p: by_split[split] for p, by_split in outcomes.items() if by_split.get(split)}
+    if not runs:
+        return [], []
+    tasks = sorted(set.intersection(*(set(r) for rs in runs.values() for r in rs)))
+    if not tasks:
+        return [], []
+    matrix = {p: outcome_matrix(rs, tasks) for p, rs in runs.items()}
+
+    def interval(point: float, low: float, high: float, signed: bool = False) -> str:
+        fmt = "{:+.1f}" if signed else "{:.1f}"
+        return (fmt.format(100 * point) + " [" + fmt.format(100 * low) + ", "
+                + fmt.format(100 * high) + "]")
+
+    header = ["policy", f"Avg [95% CI] ({len(tasks)} tasks)", "vs sft", "vs no_both", "seeds"]
+    rows = []
+    for policy in ordered(list(matrix)):
+        m = matrix[policy]
+        rows.append([policy, interval(*success_interval(m)),
+                     *(interval(*paired_difference(m, matrix[other]), signed=True)
+                       if other in matrix and other != policy else "–"
+                       for other in ("sft", "no_both")), str(m.shape[0])])
+    return header, rows
 
 
 def _as_dict(c: Cell) -> dict[str, float]:

@@ -61,6 +61,7 @@ from hisr_core.rewards.modulation import (
 from hisr_core.rewards.sprm import SegmentRewardModel, trajectory_of, turn_rewards
 from hisr_core.rl.ppo import (
     entropy_from_logits,
+    explained_variance,
     gae,
     group_advantages,
     kl_penalty,
@@ -764,12 +765,18 @@ def run_iteration(learner: Learner, frozen: Frozen, inputs: Inputs, iteration: i
     local = torch.tensor([len(rows), sum(r["won"] for r in rows),
                           sum(float(sc.turn_rewards.sum()) for sc in scored
                               if sc.turn_rewards is not None),
-                          sum(r["n_turns"] for r in rows)], dtype=torch.float64,
-                         device=learner.policy.device)
-    n_rows, wins, reward, turns = all_reduce_sum(local).tolist()
+                          sum(r["n_turns"] for r in rows),
+                          sum(not t.get("parsed", True) for r in rows for t in r["turns"])],
+                         dtype=torch.float64, device=learner.policy.device)
+    n_rows, wins, reward, turns, unparsed = all_reduce_sum(local).tolist()
+    if learner.critic is not None and samples:
+        # Before this update: how much of the returns the critic that scored them explained.
+        metrics["critic/explained_variance"] = explained_variance(
+            torch.cat([s.old_values for s in samples]), torch.cat([s.returns for s in samples]))
     metrics.update({
         "rollout/success": wins / max(n_rows, 1), "rollout/episodes": n_rows,
         "rollout/mean_turns": turns / max(n_rows, 1),
+        "rollout/parse_failure_rate": unparsed / max(turns, 1),
         "rewards/fused_mean": reward / max(n_rows, 1),
         "time/generate_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2,
         "perf/tokens_per_s": metrics["update/tokens"] / max(t3 - t2, 1e-9),

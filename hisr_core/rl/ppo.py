@@ -148,6 +148,19 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return logz - (probs * logits).sum(-1)
 
 
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    """``1 - Var(returns - values) / Var(returns)``: 1 when the critic predicts the returns, 0
+    when it does no better than their mean, negative when worse; nan when the returns are
+    constant. Shape: (N,), (N,) over response tokens."""
+    if values.shape != returns.shape or values.dim() != 1:
+        raise ValueError(f"values {tuple(values.shape)} and returns {tuple(returns.shape)} "
+                         "must be two (N,) tensors")
+    var = float(returns.double().var(unbiased=False)) if returns.numel() else 0.0
+    if var == 0.0:
+        return float("nan")
+    return 1.0 - float((returns.double() - values.double()).var(unbiased=False)) / var
+
+
 def group_advantages(outcomes: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6
                      ) -> torch.Tensor:
     """GRPO: ``(R - mean_g R) / (std_g R + eps)`` within each group g (the rollouts of one

@@ -1,12 +1,24 @@
-"""The report's tables: mean ± std over seeds, Table 1's row order, mean curves."""
+"""The report's tables: mean ± std over seeds, Table 1's row order, mean curves, and the
+paired bootstrap comparisons over tasks and seeds."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
-from hisr_core.report import cell, markdown_table, mean_curve, ordered, success_table
+from hisr_core.report import (
+    cell,
+    markdown_table,
+    mean_curve,
+    ordered,
+    outcome_matrix,
+    paired_difference,
+    success_interval,
+    success_table,
+)
+from tasks.report import comparison_rows
 
 
 def _eval(split: str, pick: float, look: float, all_: float) -> dict:
@@ -51,3 +63,42 @@ def test_mean_curve_skips_missing_values():
     b = [{"iteration": 1, "s": 0.5}, {"iteration": 2, "s": math.nan}, {"iteration": 3, "s": 1.0}]
     assert mean_curve([a, b], "s") == [(1, 0.25), (2, 1.0), (3, 1.0)]
     assert mean_curve([a], "other") == []
+
+
+def test_paired_difference_by_hand():
+    """Two tasks, one run each; the per-task differences are 1 and 0. Resampling the tasks
+    draws (task 0, task 0) with probability 1/4 (difference 1), a mix with 1/2 (0.5) and
+    (task 1, task 1) with 1/4 (0): the point is 0.5 and the 95% interval [0, 1]."""
+    a, b = np.array([[1.0, 0.0]]), np.array([[0.0, 0.0]])
+    assert paired_difference(a, b, n_boot=4000) == (0.5, 0.0, 1.0)
+    assert success_interval(a, n_boot=4000) == (0.5, 0.0, 1.0)
+    assert success_interval(np.ones((3, 5))) == (1.0, 1.0, 1.0)
+
+
+def test_paired_seeds_and_unpaired_single_runs():
+    # Seed s of one policy pairs with seed s of the other: identical runs differ by exactly 0
+    # in every resample, though the seeds themselves differ a lot.
+    runs = np.array([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    assert paired_difference(runs, runs.copy()) == (0.0, 0.0, 0.0)
+    # Against one sft run, the two seeds are drawn on their own: the interval is wide.
+    point, low, high = paired_difference(runs, np.array([[0.0, 1.0, 0.0]]))
+    assert point == pytest.approx(0.5 - 1 / 3) and low < 0 < high
+    with pytest.raises(ValueError, match="same tasks"):
+        paired_difference(runs, np.ones((1, 2)))
+
+
+def test_outcome_matrix_and_the_comparison_table():
+    sft = [{"t1": 1.0, "t2": 0.0, "t3": 0.0, "extra": 1.0}]
+    ppo = [{"t1": 1.0, "t2": 1.0, "t3": 0.0}, {"t1": 1.0, "t2": 1.0, "t3": 1.0}]
+    assert outcome_matrix(ppo, ["t2", "t3"]).tolist() == [[1.0, 0.0], [1.0, 1.0]]
+    with pytest.raises(ValueError, match="no outcome"):
+        outcome_matrix(ppo, ["extra"])
+    header, rows = comparison_rows({"ppo": {"valid_unseen": ppo}, "sft": {"valid_unseen": sft}},
+                                   "valid_unseen")
+    assert header[1] == "Avg [95% CI] (3 tasks)"  # the tasks every run played
+    by = {r[0]: r for r in rows}
+    assert list(by) == ["sft", "ppo"]
+    assert by["sft"][1].startswith("33.3 [") and by["sft"][2] == "–" and by["sft"][4] == "1"
+    assert by["ppo"][1].startswith("83.3 [") and by["ppo"][2].startswith("+50.0 [")
+    assert by["ppo"][3] == "–"  # no no_both run
+    assert comparison_rows({"ppo": {"valid_seen": ppo}}, "valid_unseen") == ([], [])

@@ -42,7 +42,7 @@ WORKER = Path(ppo_worker.__file__)
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 METRICS = ("losses/policy", "losses/value", "policy/kl", "policy/clipfrac", "policy/entropy",
            "critic/value_mean", "rewards/fused_mean", "rollout/success", "time/generate_s",
-           "time/score_s", "time/update_s", "perf/tokens_per_s")
+           "time/score_s", "time/update_s", "perf/tokens_per_s", "rollout/parse_failure_rate")
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,7 @@ def test_an_iteration_changes_every_trainable_parameter_of_policy_and_critic(tin
         assert math.isfinite(metrics[key]), key
     assert metrics["rollout/episodes"] == 6  # 3 tasks x 2 samples
     assert metrics["optim/steps"] == 4       # 2 epochs x 2 minibatches
+    assert metrics["critic/explained_variance"] <= 1  # a fresh critic: far below 0
     # The household oracle reports distances: the iteration's credit accuracy is logged.
     assert {"credit/spearman", "credit/kendall", "credit/first_error_top1",
             "credit/return_margin", "credit/return_margin_ratio"} <= set(metrics)

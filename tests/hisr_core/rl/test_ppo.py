@@ -9,6 +9,7 @@ import torch
 
 from hisr_core.rl.ppo import (
     entropy_from_logits,
+    explained_variance,
     gae,
     gae_reference,
     group_advantages,
@@ -158,3 +159,14 @@ def test_turn_rewards_go_on_each_turns_last_token():
         place_turn_rewards(torch.tensor([0.1, 0.2]), torch.tensor([1, 0]))
     with pytest.raises(ValueError, match="2 turn rewards"):
         place_turn_rewards(torch.tensor([0.1, 0.2]), torch.tensor([0, 2]))
+
+
+def test_explained_variance_by_hand():
+    returns = torch.tensor([1.0, 2.0, 3.0, 4.0])  # variance 1.25
+    assert explained_variance(returns.clone(), returns) == 1.0
+    assert explained_variance(torch.full((4,), 2.5), returns) == pytest.approx(0.0)
+    # Residuals 1 0 0 -1: variance 0.5, so 1 - 0.5 / 1.25 = 0.6.
+    assert explained_variance(torch.tensor([0.0, 2.0, 3.0, 5.0]), returns) == pytest.approx(0.6)
+    assert math.isnan(explained_variance(torch.zeros(3), torch.ones(3)))
+    with pytest.raises(ValueError, match="two"):
+        explained_variance(torch.zeros(3), torch.zeros(4))
