@@ -59,8 +59,9 @@ class ExpertParams(Section):
     n_valid_seen: int = Field(200, ge=0, le=1_000_000)
     """Number of ``valid_seen`` tasks (new seeds, same vocabulary as train)."""
 
-    n_valid_unseen: int = Field(200, ge=0, le=1_000_000)
-    """Number of ``valid_unseen`` tasks (combinations and layouts never in train)."""
+    n_valid_unseen: int = Field(500, ge=0, le=1_000_000)
+    """Number of ``valid_unseen`` tasks (combinations and layouts never in train). 500: the
+    report's comparisons need them (100 tasks is a binomial SE of 5 points a run)."""
 
     slip_rate: float = Field(0.1, ge=0.0, le=0.5)
     """Chance per turn that the expert first slips (a plausible wrong command, answered
@@ -545,7 +546,7 @@ class EvaluateParams(SamplingParams):
     splits: list[str] = Field(default_factory=lambda: ["valid_seen", "valid_unseen"], min_length=1)
     """Splits to play (task lists written by the ``expert`` stage)."""
 
-    n_tasks: int | None = Field(100, ge=1)
+    n_tasks: int | None = Field(None, ge=1)
     """Play only the first ``n_tasks`` of each split (``null``: all); task types cycle, so any
     prefix stays balanced."""
 
