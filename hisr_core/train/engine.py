@@ -33,7 +33,6 @@ import math
 import os
 import shutil
 import socket
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -41,6 +40,8 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -202,9 +203,6 @@ def apply_lora(model: nn.Module, lora: LoraParams | None) -> nn.Module:
     """Wrap ``model`` with LoRA adapters (peft); base weights frozen. A no-op when disabled."""
     if lora is None or not lora.enabled:
         return model
-    # Imported here: peft costs ~3 s of imports, which every stage without LoRA would pay.
-    from peft import LoraConfig, get_peft_model
-
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
     wrapped = get_peft_model(model, config)
@@ -214,15 +212,9 @@ def apply_lora(model: nn.Module, lora: LoraParams | None) -> nn.Module:
     return wrapped
 
 
-def is_peft(model: nn.Module) -> bool:
-    """Whether ``model`` is a peft wrapper (only :func:`apply_lora` makes one, and loads peft)."""
-    peft = sys.modules.get("peft")
-    return peft is not None and isinstance(model, peft.PeftModel)
-
-
 def unwrap_hf(model: nn.Module) -> nn.Module:
     """The Hugging Face model under a peft wrapper (its LoRA layers stay injected)."""
-    return model.get_base_model() if is_peft(model) else model
+    return model.get_base_model() if isinstance(model, PeftModel) else model
 
 
 _LOGIT_SCALES = ("final_logit_softcapping", "logit_scale", "output_multiplier",
@@ -445,10 +437,8 @@ def plain_state(model: nn.Module) -> tuple[PreTrainedModel, dict[str, torch.Tens
     on after a save. ``None`` weights: the model's own state dict (no adapters).
     """
     hf = unwrap_hf(model)
-    if not is_peft(model):
+    if not isinstance(model, PeftModel):
         return hf, None
-    from peft.tuners.lora import LoraLayer
-
     lora_layers = {name: m for name, m in hf.named_modules() if isinstance(m, LoraLayer)}
     state: dict[str, torch.Tensor] = {}
     for key, value in hf.state_dict().items():
