@@ -114,6 +114,15 @@ def _html_table(header: list[str], rows: list[list[str]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _add_table(md: list[str], page: list[str], title: str, header: list[str],
+               rows: list[list[str]], note: str | None = None) -> None:
+    """A titled table (and a note above it) appended to the Markdown and the HTML report."""
+    md += [f"## {title}", "", *([note, ""] if note else []), "| " + " | ".join(header) + " |",
+           "|---" * len(header) + "|", *("| " + " | ".join(r) + " |" for r in rows), ""]
+    page.append(f"<h2>{html.escape(title)}</h2>" + (f"<p>{html.escape(note)}</p>" if note else "")
+                + _html_table(header, rows))
+
+
 def _body(page: str) -> str:
     """The inside of an HTML page's ``<body>`` (its first heading dropped)."""
     match = re.search(r"<body>(.*)</body>", page, re.DOTALL)
@@ -164,10 +173,7 @@ def write_report(params: Params, data: Path, out: Path) -> dict[str, Any]:
             note = ("Avg success and differences in percentage points, with 95% bootstrap "
                     "intervals over the same tasks and seeds (seed s of one policy paired with "
                     "seed s of the other); an interval that excludes 0 tells the two apart.")
-            md += [f"## {title}", "", note, "", "| " + " | ".join(header) + " |",
-                   "|---" * len(header) + "|", *("| " + " | ".join(r) + " |" for r in rows), ""]
-            page.append(f"<h2>{html.escape(title)}</h2><p>{html.escape(note)}</p>"
-                        + _html_table(header, rows))
+            _add_table(md, page, title, header, rows, note)
     plot_curves(found.curves, out / "curves.png")
     if found.curves:
         md += ["## Learning curves", "", "Per PPO iteration, mean over seeds.", "",
@@ -299,10 +305,7 @@ def _analyses(data: Path, out: Path) -> tuple[list[str], list[str]]:
              ("Credit accuracy under each combination of the reward options (chosen on the "
               "SPRM's training tasks, reported on its held-out tasks)"))):
         if (data / "rewards" / name).is_file():
-            header, rows = reader(data / "rewards" / name)
-            md += [f"## {title}", "", "| " + " | ".join(header) + " |",
-                   "|---" * len(header) + "|", *("| " + " | ".join(r) + " |" for r in rows), ""]
-            page.append(f"<h2>{html.escape(title)}</h2>" + _html_table(header, rows))
+            _add_table(md, page, title, *reader(data / "rewards" / name))
     cases_md, cases_html = data / "rewards" / "cases.md", data / "rewards" / "cases.html"
     if cases_md.is_file():
         text = cases_md.read_text(encoding="utf-8")

@@ -477,11 +477,7 @@ def iteration_credit(scored: Sequence[Scored], segments: Sequence[Sequence[Segme
         local.append(CreditRecord.from_distances(
             before, after, segs, sc.row["won"], sc.row["outcome"],
             {"fused": segment_credit(fused, segs)}, {"fused": float(fused.sum())}))
-    records = local
-    if info.world_size > 1:
-        parts: list[list[CreditRecord] | None] = [None] * info.world_size
-        dist.all_gather_object(parts, local)
-        records = [r for part in parts if part for r in part]
+    records = gather_objects(local, info)
     if not records:
         return {}
     true, fused = [r.segment_credit for r in records], [r.signals["fused"] for r in records]
@@ -561,13 +557,18 @@ def advantages(scored: Sequence[Scored], keys: Sequence[tuple[int, int]], varian
     return samples
 
 
+def gather_objects(local: list[Any], info: DistInfo) -> list[Any]:
+    """Every process's ``local`` items, process by process (``local`` itself on one)."""
+    if info.world_size == 1:
+        return local
+    parts: list[list[Any] | None] = [None] * info.world_size
+    dist.all_gather_object(parts, local)
+    return [x for part in parts if part for x in part]
+
+
 def gather_samples(samples: list[Sample], info: DistInfo) -> list[Sample]:
     """Every process's samples, in key order (what one process would hold)."""
-    if info.world_size > 1:
-        parts: list[list[Sample] | None] = [None] * info.world_size
-        dist.all_gather_object(parts, samples)
-        samples = [s for part in parts if part for s in part]
-    return sorted(samples, key=lambda s: s.key)
+    return sorted(gather_objects(samples, info), key=lambda s: s.key)
 
 
 # -- 6. update -------------------------------------------------------------------------------------
