@@ -1,6 +1,8 @@
-"""The reward options (``rewards.importance``, ``rewards.rescale``, ``rewards.grounding``;
-docs/method.md, "Reward options"), checked against hand derivations. Their defaults are the
-paper's reading, which tests/hisr_core/rewards/test_modulation.py pins."""
+"""The reward options (``rewards.importance``, ``rewards.rescale``, ``rewards.grounding``,
+``rewards.ratio_reference``; docs/method.md, "Reward options"), checked against hand
+derivations. ``RewardOptions()`` is the paper's reading, which
+tests/hisr_core/rewards/test_modulation.py pins; the params default to it but for the grounding
+penalty, chosen by the credit table."""
 
 from __future__ import annotations
 
