@@ -379,6 +379,11 @@ class PpoParams(SamplingParams):
     critic_lr: float = Field(5e-4, gt=0, le=1.0)
     """Peak learning rate of the critic (AdamW)."""
 
+    critic_warmup: int = Field(0, ge=0)
+    """Iterations at the start that step only the critic, not the policy, so that a fresh
+    value head has learned the returns before the policy moves on its advantages (verl's
+    ``trainer.critic_warmup``). Less than ``iterations``; ``grpo`` (no critic) ignores it."""
+
     warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
     """Fraction of optimizer steps with linear warm-up."""
 
@@ -451,6 +456,13 @@ class PpoParams(SamplingParams):
             raise ValueError("must be > 0: PPO learns from sampled rollouts")
         return v
 
+
+    @model_validator(mode="after")
+    def _critic_warmup_leaves_policy_iterations(self) -> PpoParams:
+        if self.critic_warmup >= self.iterations:
+            raise ValueError(f"ppo.critic_warmup={self.critic_warmup} leaves no iteration of "
+                             f"ppo.iterations={self.iterations} to train the policy")
+        return self
 
 class SweepParams(Section):
     """Which PPO runs the pipeline trains, evaluates and reports: every variant with every

@@ -24,6 +24,7 @@ same global micro-batches as one process would (:func:`hisr_core.train.fit.epoch
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import signal
 import time
@@ -645,6 +646,8 @@ def update(learner: Learner, samples: Sequence[Sample], pad_id: int, iteration: 
     if learner.critic is not None:
         learner.critic.module.train()
     lengths = [len(s.input_ids) for s in samples]
+    # ppo.critic_warmup: the first iterations step only the critic (not with no critic: grpo).
+    train_policy = learner.critic is None or iteration >= cfg.critic_warmup
     pol = torch.zeros(5, dtype=torch.float64, device=device)
     crit = torch.zeros(3, dtype=torch.float64, device=device)
     tokens, real, sequences, steps = 0, 0, 0, 0
@@ -657,11 +660,12 @@ def update(learner: Learner, samples: Sequence[Sample], pad_id: int, iteration: 
                  sum(int(b.input_ids.shape[0]) for b in batches)],
                 dtype=torch.float64, device=device))
             n_units = int(counts[0])
-            stats, optim = _train_step(learner.policy, batches, lambda b: {
-                "input_ids": b.input_ids, "keep": b.keep, "old_logp": b.old_logp,
-                "advantages": b.advantages, "ref_logp": b.ref_logp}, n_units)
-            pol += all_reduce_sum(stats)
-            norms.append(optim["grad_norm"])
+            if train_policy:
+                stats, optim = _train_step(learner.policy, batches, lambda b: {
+                    "input_ids": b.input_ids, "keep": b.keep, "old_logp": b.old_logp,
+                    "advantages": b.advantages, "ref_logp": b.ref_logp}, n_units)
+                pol += all_reduce_sum(stats)
+                norms.append(optim["grad_norm"])
             if learner.critic is not None:
                 stats, _ = _train_step(learner.critic, batches, lambda b: {
                     "input_ids": b.input_ids, "keep": b.keep, "old_values": b.old_values,
@@ -672,10 +676,12 @@ def update(learner: Learner, samples: Sequence[Sample], pad_id: int, iteration: 
             sequences += int(counts[2])
             steps += 1
     n = max(tokens, 1)
-    out = {"losses/policy": float(pol[0]) / n, "policy/kl": float(pol[1]) / n,
-           "policy/entropy": float(pol[2]) / n, "policy/clipfrac": float(pol[3]) / n,
-           "policy/ratio_mean": float(pol[4]) / n, "optim/steps": steps,
-           "optim/grad_norm": sum(norms) / max(len(norms), 1),
+    p = n if train_policy else math.nan  # nan: no policy step this iteration
+    out = {"losses/policy": float(pol[0]) / p, "policy/kl": float(pol[1]) / p,
+           "policy/entropy": float(pol[2]) / p, "policy/clipfrac": float(pol[3]) / p,
+           "policy/ratio_mean": float(pol[4]) / p, "optim/steps": steps,
+           "optim/policy_steps": steps if train_policy else 0,
+           "optim/grad_norm": sum(norms) / len(norms) if norms else math.nan,
            "optim/lr": float(learner.policy.optimizer.param_groups[0]["lr"]),
            "update/tokens": float(real), "update/response_tokens": float(tokens),
            "update/mean_length": real / max(sequences, 1)}

@@ -113,6 +113,21 @@ def test_iteration_credit_by_hand():
     assert iteration_credit([unknown], [spans(1)], one) == {}
 
 
+def test_critic_warmup_steps_only_the_critic_and_lowers_its_loss(tiny_dir):
+    """Offline on the same 3 trajectories every iteration: the first 2 iterations step only the
+    critic (no policy step, policy metrics nan) and its value loss falls; the third steps the
+    policy too. A warm-up as long as the run is refused."""
+    cfg = ppo_worker.ppo_params("torch", 3, mode="offline", critic_warmup=2, minibatches=1)
+    result = ppo_worker.run(tiny_dir, cfg, "ppo", offline=3)
+    first, second, third = result["history"]
+    assert first["optim/policy_steps"] == second["optim/policy_steps"] == 0
+    assert math.isnan(first["losses/policy"]) and third["optim/policy_steps"] == 2
+    assert second["losses/value"] < first["losses/value"]
+    assert unchanged(result, "critic") == [] and unchanged(result, "policy") == []
+    with pytest.raises(ValueError, match="critic_warmup=3 leaves no iteration"):
+        ppo_worker.ppo_params("torch", 3, critic_warmup=3)
+
+
 def test_first_minibatch_ratio_is_one(tiny_dir):
     """The old log-probs are the current policy's: before any step the ratio is exactly ~1, so
     no token is clipped in a single minibatch pass."""
