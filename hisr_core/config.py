@@ -355,14 +355,15 @@ class PpoParams(SamplingParams):
     ``offline``: each iteration takes trajectories of ``D_st`` with the rewards stage's
     precomputed rewards (SPA-RL's released setting)."""
 
-    iterations: int = Field(8, ge=1)
+    iterations: int = Field(10, ge=1)
     """PPO iterations (collect + update)."""
 
     tasks_per_iter: int = Field(8, ge=1)
     """Training tasks played per iteration (offline: ``D_st`` trajectories per iteration)."""
 
-    samples_per_task: int = Field(2, ge=1)
-    """Rollouts per task (the group of ``grpo``, which needs >= 2)."""
+    samples_per_task: int = Field(4, ge=1)
+    """Rollouts per task (the group of ``grpo``, which needs >= 2; with 2 and a success rate
+    near one half, about half the groups tie and carry no advantage)."""
 
     ppo_epochs: int = Field(2, ge=1)
     """Passes over each iteration's data."""
@@ -373,13 +374,13 @@ class PpoParams(SamplingParams):
     micro_batch_size: int = Field(4, ge=1)
     """Sequences per forward pass and process."""
 
-    lr: float = Field(2e-4, gt=0, le=1.0)
+    lr: float = Field(1e-4, gt=0, le=1.0)
     """Peak learning rate of the policy (AdamW)."""
 
     critic_lr: float = Field(5e-4, gt=0, le=1.0)
     """Peak learning rate of the critic (AdamW)."""
 
-    critic_warmup: int = Field(0, ge=0)
+    critic_warmup: int = Field(1, ge=0)
     """Iterations at the start that step only the critic, not the policy, so that a fresh
     value head has learned the returns before the policy moves on its advantages (verl's
     ``trainer.critic_warmup``). Less than ``iterations``; ``grpo`` (no critic) ignores it."""
@@ -399,7 +400,7 @@ class PpoParams(SamplingParams):
     clip: float = Field(0.2, gt=0, lt=1.0)
     """PPO ratio clip epsilon."""
 
-    value_clip: float | None = Field(0.2, gt=0)
+    value_clip: float | None = Field(None, gt=0)
     """Clip of the critic's change per iteration (``null``: unclipped value loss)."""
 
     vf_coef: float = Field(0.5, gt=0)
@@ -408,7 +409,7 @@ class PpoParams(SamplingParams):
     gamma: float = Field(1.0, gt=0, le=1.0)
     """GAE discount per response token."""
 
-    lam: float = Field(0.95, ge=0.0, le=1.0)
+    lam: float = Field(1.0, ge=0.0, le=1.0)
     """GAE lambda."""
 
     whiten_advantages: bool = True

@@ -29,7 +29,9 @@ def ppo_params(backend: str, iterations: int, micro: int = 2, **overrides: Any):
         "seed": 0, "iterations": iterations, "tasks_per_iter": 3, "samples_per_task": 2,
         "ppo_epochs": 2, "minibatches": 2, "micro_batch_size": micro, "lr": 1e-3,
         "critic_lr": 1e-3, "backend": backend, "checkpoint_every": 1, "kl_coef": 0.05,
-        "entropy_coef": 0.01, "max_batch_tokens": 4096}
+        "entropy_coef": 0.01, "max_batch_tokens": 4096,
+        # Every iteration steps the policy (the default warms the critic up first).
+        "critic_warmup": 0}
     values.update(overrides)
     return PpoParams(**values)
 
