@@ -358,10 +358,10 @@ class PpoParams(SamplingParams):
     iterations: int = Field(10, ge=1)
     """PPO iterations (collect + update)."""
 
-    tasks_per_iter: int = Field(8, ge=1)
+    tasks_per_iter: int = Field(16, ge=1)
     """Training tasks played per iteration (offline: ``D_st`` trajectories per iteration)."""
 
-    samples_per_task: int = Field(4, ge=1)
+    samples_per_task: int = Field(2, ge=1)
     """Rollouts per task (the group of ``grpo``, which needs >= 2; with 2 and a success rate
     near one half, about half the groups tie and carry no advantage)."""
 
