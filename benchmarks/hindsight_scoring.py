@@ -1,8 +1,9 @@
 """The cost of scoring with ``pi_hind`` against scoring with ``pi_ref``, as the ``rewards`` stage
 and every PPO iteration of the modulated variants score: the same ``D_st`` trajectories, each
 turn's response log-probs under ``pi_ref`` (``turn_logprobs``) and under ``pi_hind`` with its
-hindsight block (``hindsight_logprobs``), each timed after one warm-up trajectory. Prints one
-JSON object (and writes it with ``--out``); the goal of docs/method.md is a ratio ≤ 2.
+hindsight block (``hindsight_logprobs``: the route it takes, and the full route that re-encodes
+each turn's past), each timed after one warm-up trajectory. Prints one JSON object (and writes
+it with ``--out``); the goal of docs/method.md is a ratio ≤ 2.
 
     python benchmarks/hindsight_scoring.py --episodes 64
 """
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     from hisr_core.agent.prompts import PromptBuilder
     from hisr_core.config import load_params
     from hisr_core.envs import environment_class
-    from hisr_core.rewards.gated_attention import load_gated
+    from hisr_core.rewards.gated_attention import gates_closed, load_gated
     from hisr_core.rewards.hindsight import Window, hindsight_logprobs
     from hisr_core.train.scoring import episode_of, turn_logprobs
 
@@ -59,19 +60,21 @@ def main(argv: list[str] | None = None) -> None:
         turn_logprobs(ref, builder, [episode_of(builder, r, grammar) for r in sel], tokens)
         return time.perf_counter() - start
 
-    def time_hind(sel: list[dict]) -> float:
+    def time_hind(sel: list[dict], route: str) -> float:
         start = time.perf_counter()
-        hindsight_logprobs(hind, builder, sel, grammar, window, tokens)
+        hindsight_logprobs(hind, builder, sel, grammar, window, tokens, route=route)
         return time.perf_counter() - start
 
-    time_ref(warm), time_hind(warm)
-    ref_s, hind_s = time_ref(rows), time_hind(rows)
+    time_ref(warm), time_hind(warm, "auto"), time_hind(warm, "full")
+    ref_s, hind_s, full_s = time_ref(rows), time_hind(rows, "auto"), time_hind(rows, "full")
     turns = sum(r["n_turns"] for r in rows)
     emit({"benchmark": "hindsight_scoring", "env": params.env.name,
           "trajectories": len(rows), "turns": turns,
           "hindsight_window": {"past": window.past, "future": window.future},
           "pi_ref": {"seconds": round(ref_s, 2), "turns_per_s": round(turns / ref_s, 1)},
           "pi_hind": {"seconds": round(hind_s, 2), "turns_per_s": round(turns / hind_s, 1)},
+          "pi_hind_full_route": {"seconds": round(full_s, 2), "turns_per_s": round(turns / full_s, 1)},
+          "route": "closed_gates" if gates_closed(hind) else "full",
           "ratio": round(hind_s / ref_s, 2), "threads": args.threads}, args.out)
 
 

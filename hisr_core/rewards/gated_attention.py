@@ -97,7 +97,9 @@ def gated_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     [B, H_kv, T, D] → ([B, T, H, D], None)."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-    if hind_block is None:
+    # Queries inside the block read no gate: a pass of block tokens alone (after a cached
+    # prefix, hisr_core.rewards.hindsight.closed_gate_logprobs) is plain attention.
+    if hind_block is None or bool(hind_block.all()):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     if query.shape[2] != key.shape[2]:
@@ -194,16 +196,25 @@ class BlockPointer(nn.Module):
 
     def forward(self, logits: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor,
                 block: torch.Tensor) -> torch.Tensor:
-        b, t = ids.shape
-        hidden = hidden.to(self.query.weight.dtype)
-        q, k = self.query(hidden), self.key(hidden)
-        scores = q @ k.transpose(1, 2) / q.shape[-1] ** 0.5                      # [B, T, T]
-        scores = scores.masked_fill(~(block[:, None, :] & ~block[:, :, None]), float("-inf"))
+        return self.point(logits, hidden, hidden, ids, block[:, None, :] & ~block[:, :, None])
+
+    def point(self, logits: torch.Tensor, hidden: torch.Tensor, keys: torch.Tensor,
+              key_ids: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """The head on queries ``hidden`` over block tokens ``keys`` (their final hidden states
+        and ids) that ``allowed`` lets each query see (none: no change).
+
+        Shape: logits [B, T, V], hidden [B, T, d], keys [B, S, d], key_ids [B, S] long,
+        allowed [B, T, S] bool → [B, T, V]."""
+        b, t, s = allowed.shape
+        q = self.query(hidden.to(self.query.weight.dtype))
+        keys = keys.to(self.query.weight.dtype)
+        scores = q @ self.key(keys).transpose(1, 2) / q.shape[-1] ** 0.5            # [B, T, S]
+        scores = scores.masked_fill(~allowed, float("-inf"))
         attn = torch.softmax(torch.cat([scores, self.null.expand(b, t, 1)], dim=-1), dim=-1
                              )[..., :-1]
-        boost = self.scale + (attn @ self.value(hidden)) @ self.to_scale              # [B, T]
+        boost = self.scale + (attn @ self.value(keys)) @ self.to_scale                # [B, T]
         # boost * c added in place of building c: no second [B, T, V] tensor (large vocabularies).
-        return logits.float().scatter_add(2, ids[:, None, :].expand(b, t, t),
+        return logits.float().scatter_add(2, key_ids[:, None, :].expand(b, t, s),
                                           boost[..., None] * attn).to(logits.dtype)
 
 
@@ -304,6 +315,23 @@ def _readers(model: nn.Module) -> list[BlockReader]:
     hf = unwrap_hf(model)
     found = [getattr(_layer_of(hf, m), READER, None) for m in attention_modules(hf)]
     return [r for r in found if r is not None]
+
+
+#: Gates at or below this hide the block from every other token: its attention weight is at
+#: most ``exp(-20) ≈ 2e-9`` of the weight of a key with the same logit outside the block.
+CLOSED_GATE = -20.0
+
+
+def gates_closed(model: nn.Module) -> bool:
+    """Whether no token outside the block reads it through attention (every gate at or below
+    :data:`CLOSED_GATE`): then their hidden states are the model's own without the block."""
+    return float(gate_values(model).max()) <= CLOSED_GATE
+
+
+def clear_pointer_stash(model: nn.Module) -> None:
+    """Drop what a backbone call with a block left for the pointer's hook (a call of the
+    backbone alone never reaches the LM's hook that would take it)."""
+    unwrap_hf(model).base_model.__dict__.pop("_hind_stash", None)
 
 
 def gate_values(model: nn.Module) -> torch.Tensor:

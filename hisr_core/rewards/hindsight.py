@@ -34,17 +34,36 @@ of ``pi_hind`` is loaded with :func:`~hisr_core.rewards.gated_attention.load_gat
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
-from transformers import PreTrainedModel
+from tqdm.auto import tqdm
+from transformers import DynamicCache, PreTrainedModel
 
 from hisr_core.agent.prompts import Encoded, PromptBuilder
 from hisr_core.config import HindsightParams
-from hisr_core.rewards.gated_attention import block_span
-from hisr_core.train.scoring import episode_of, masked_logprobs
+from hisr_core.rewards.gated_attention import (
+    POINTER,
+    block_span,
+    clear_pointer_stash,
+    gates_closed,
+)
+from hisr_core.train.engine import lm_parts, unwrap_hf
+from hisr_core.train.scoring import (
+    episode_of,
+    length_batches,
+    masked_logprobs,
+    right_pad,
+    target_logprobs,
+)
+
+#: Episodes :func:`hindsight_logprobs` scores at a time on the closed-gate route (it holds their
+#: final hidden states: about 64 × 1,000 tokens × the hidden size in floats).
+CLOSED_CHUNK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,12 +144,123 @@ def trajectory_examples(builder: PromptBuilder, row: Mapping[str, Any], grammar:
 def hindsight_logprobs(model: PreTrainedModel, builder: PromptBuilder,
                        rows: Sequence[Mapping[str, Any]], grammar: Sequence[str],
                        window: Window = Window(), max_batch_tokens: int = 8192,
-                       progress: str | None = None) -> list[list[torch.Tensor]]:
+                       progress: str | None = None, route: Literal["auto", "full"] = "auto"
+                       ) -> list[list[torch.Tensor]]:
     """Per row, per turn k, ``log pi_hind(a_k^j | hindsight context)`` of response k's tokens
     (end-of-turn marker included, as :func:`hisr_core.train.scoring.turn_logprobs` scores them).
-    Shape: row → m tensors of shape (L_k,)."""
+    Shape: row → m tensors of shape (L_k,).
+
+    ``route``: ``full`` scores every turn's whole example; ``auto`` does so only while some
+    gate is open (or the model changes its logits after the LM head), and otherwise takes
+    :func:`closed_gate_logprobs` (the same numbers)."""
+    pad = builder.tokenizer.pad_token_id if builder.tokenizer.pad_token_id is not None else 0
+    if route == "auto" and gates_closed(model) and lm_parts(model, hooked=True) is not None:
+        out: list[list[torch.Tensor]] = []
+        # Chunks of episodes: their hidden states are held until the copy head has read them.
+        for lo in tqdm(range(0, len(rows), CLOSED_CHUNK), desc=progress, unit="chunk",
+                       disable=progress is None, mininterval=2):
+            out += closed_gate_logprobs(model, [trajectory_examples(builder, row, grammar, window)
+                                                for row in rows[lo:lo + CLOSED_CHUNK]],
+                                        pad, max_batch_tokens)
+        return out
     examples = [trajectory_examples(builder, row, grammar, window) for row in rows]
     flat = [e for ex in examples for e in ex]
-    pad = builder.tokenizer.pad_token_id if builder.tokenizer.pad_token_id is not None else 0
     scores = iter(masked_logprobs(model, flat, pad, max_batch_tokens, progress))
     return [[next(scores) for _ in ex] for ex in examples]
+
+
+@torch.inference_mode()
+def closed_gate_logprobs(model: PreTrainedModel, examples: Sequence[Sequence[Encoded]],
+                         pad_id: int, max_batch_tokens: int = 8192) -> list[list[torch.Tensor]]:
+    """:func:`hindsight_logprobs` of a model whose gates are closed, without re-encoding each
+    turn's past. Closed gates keep every token outside the block at its hidden state without
+    the block, so:
+
+    * the targets' hidden states and logits come from the examples without their blocks, and
+      consecutive turns whose plain sequences extend one another share one pass (a whole
+      episode usually is one sequence, as in :func:`~hisr_core.train.scoring.turn_logprobs`);
+    * each block's final hidden states come from a pass over the block after a cached pass
+      over the tokens before it (the block reads only what precedes it, and its readers act
+      as in the full example);
+    * the copy head then adds its boost to the targets' logits.
+
+    Shape: per row, per turn k, an example with block ``(start, end, at)`` → (M_k,) float32,
+    M_k its masked-in tokens."""
+    parts = lm_parts(model, hooked=True)
+    if parts is None:
+        raise ValueError(f"{type(model).__name__} changes its logits after the LM head: "
+                         "score it with route='full'")
+    backbone, head = parts
+    pointer = getattr(unwrap_hf(model), POINTER, None)
+    device = next(model.parameters()).device
+    seqs: list[list[int]] = []
+    # Per row, per turn: (its plain sequence, the positions of its targets there).
+    where: list[list[tuple[int, list[int]]]] = []
+    for ex in examples:
+        placed: list[tuple[int, list[int]]] = [(-1, [])] * len(ex)
+        for k in reversed(range(len(ex))):
+            start, end, _ = ex[k].block or (0, 0, 0)
+            plain = ex[k].input_ids[:start] + ex[k].input_ids[end:]
+            mask = ex[k].response_mask[:start] + ex[k].response_mask[end:]
+            if not seqs or k == len(ex) - 1 or seqs[-1][:len(plain)] != plain:
+                seqs.append(plain)
+            placed[k] = (len(seqs) - 1, [t for t, on in enumerate(mask) if on])
+        where.append(placed)
+    flat = [(e, k) for e, ex in enumerate(examples) for k in range(len(ex))]
+    hidden: list[torch.Tensor | None] = [None] * len(seqs)
+    for batch in length_batches([len(s) for s in seqs], max_batch_tokens):
+        ids, _ = right_pad([seqs[i] for i in batch], pad_id)
+        out = backbone(input_ids=ids.to(device), use_cache=False).last_hidden_state
+        for j, i in enumerate(batch):
+            hidden[i] = out[j, :len(seqs[i])]
+    blocks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    if pointer is not None:
+        # transformers renamed ``past_key_values`` to ``cache`` (5.2x); accept either.
+        cache_arg = ("cache" if "cache" in inspect.signature(backbone.forward).parameters
+                     else "past_key_values")
+        # Turns whose blocks follow the same tokens read that prefix from one cached pass.
+        after: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        for e, k in flat:
+            after.setdefault(tuple(examples[e][k].input_ids[:examples[e][k].block[0]]), []
+                             ).append((e, k))
+        for prefix, turns in after.items():
+            cache = DynamicCache()
+            backbone(input_ids=torch.tensor([prefix], device=device), use_cache=True,
+                     **{cache_arg: cache})
+            spans = [examples[e][k].block for e, k in turns]
+            for batch in length_batches([end - start for start, end, _ in spans],
+                                        max_batch_tokens):
+                ids, _ = right_pad([examples[turns[i][0]][turns[i][1]].input_ids[
+                    spans[i][0]:spans[i][1]] for i in batch], pad_id)
+                width = ids.shape[1]
+                # Block token i at position at + i, after the prefix in the cache; every row
+                # is block (its readers act, no gate is read; padding comes last).
+                positions = torch.stack([spans[i][2] + torch.arange(width) for i in batch])
+                rows = copy.deepcopy(cache)
+                rows.batch_repeat_interleave(len(batch))
+                out = backbone(input_ids=ids.to(device), position_ids=positions.to(device),
+                               use_cache=True, **{cache_arg: rows},
+                               attention_mask=torch.ones((len(batch), len(prefix) + width),
+                                                         dtype=torch.long, device=device),
+                               hind_block=torch.ones_like(ids, dtype=torch.bool, device=device)
+                               ).last_hidden_state
+                clear_pointer_stash(model)
+                for j, i in enumerate(batch):
+                    n = spans[i][1] - spans[i][0]
+                    blocks[turns[i]] = out[j, :n], ids[j, :n].to(device)
+    result: list[list[torch.Tensor]] = []
+    for e, placed in enumerate(where):
+        row = []
+        for k, (i, targets) in enumerate(placed):
+            at = torch.tensor(targets, dtype=torch.long, device=device)
+            h = hidden[i][at - 1]                                              # [M_k, d]
+            logits = head(h).float()
+            if (e, k) in blocks:
+                keys, key_ids = blocks[(e, k)]
+                allowed = torch.ones((1, len(targets), len(key_ids)), dtype=torch.bool,
+                                     device=device)
+                logits = pointer.point(logits[None], h[None], keys[None], key_ids[None],
+                                       allowed)[0].float()
+            row.append(target_logprobs(logits, torch.tensor(seqs[i], device=device)[at]).cpu())
+        result.append(row)
+    return result

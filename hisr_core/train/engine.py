@@ -221,15 +221,16 @@ _LOGIT_SCALES = ("final_logit_softcapping", "logit_scale", "output_multiplier",
                  "lm_head_multiplier", "logits_scaling")
 
 
-def lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+def lm_parts(model: nn.Module, hooked: bool = False) -> tuple[nn.Module, nn.Linear] | None:
     """(backbone, LM head) of a causal LM whose logits are exactly ``head(backbone(x))``.
 
     Callers use them to project only the positions they score instead of the whole
     ``[B, T, V]`` logits. ``None`` for models that post-process logits (soft-capping, scaling);
-    those go through the model's own forward.
+    those go through the model's own forward. ``hooked``: also for a model whose forward hooks
+    change the logits (:data:`LOGITS_HOOKED`), for a caller that applies them itself.
     """
     hf = unwrap_hf(model)
-    if not isinstance(hf, PreTrainedModel) or getattr(hf, LOGITS_HOOKED, False):
+    if not isinstance(hf, PreTrainedModel) or (getattr(hf, LOGITS_HOOKED, False) and not hooked):
         return None
     backbone, head = hf.base_model, hf.get_output_embeddings()
     text_config = hf.config.get_text_config()

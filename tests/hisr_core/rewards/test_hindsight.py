@@ -25,6 +25,7 @@ from hisr_core.rewards.gated_attention import (
 )
 from hisr_core.rewards.hindsight import (
     Window,
+    closed_gate_logprobs,
     hindsight_example,
     hindsight_logprobs,
     trajectory_examples,
@@ -222,6 +223,41 @@ def test_batched_hindsight_scores_equal_one_at_a_time(rows, tiny_dir, tokenizer,
                 -1, torch.tensor(enc.input_ids[1:])[:, None]).squeeze(-1)
             want = logp[torch.tensor(enc.response_mask[1:], dtype=torch.bool)]
             assert torch.allclose(got[k], want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("window", "max_tokens", "reader_rank"),
+                         [(Window(None, 2, "turn"), 4096, 0), (Window(None, 2, "turn"), 600, 4),
+                          (Window(1, 2, "turn"), 4096, 4), (Window(None, None, "system"), 600, 0)],
+                         ids=["future-2-at-turn", "dropped-turns-readers", "past-1-readers",
+                              "all-at-system-dropped-turns"])
+def test_closed_gates_score_from_the_plain_pass_and_the_block_pass_as_the_full_examples_do(
+        rows, tiny_dir, tokenizer, window, max_tokens, reader_rank, monkeypatch):
+    """The closed-gate route (one pass over each episode without blocks, one over each block
+    after its cached prefix, then the copy head) gives the numbers of scoring every turn's
+    whole example, with readers that change the blocks and a pointer that reads them."""
+    from hisr_core.rewards import hindsight
+
+    model = gated(tiny_dir, -30.0, reader_rank=reader_rank, pointer_rank=4)
+    with torch.no_grad():
+        model.hind_pointer.scale.fill_(2.0)
+        model.hind_pointer.to_scale.fill_(0.1)
+    builder = PromptBuilder(tokenizer, None, max_tokens)
+    calls = []
+    monkeypatch.setattr(hindsight, "closed_gate_logprobs",
+                        lambda *a, **k: calls.append(1) or closed_gate_logprobs(*a, **k))
+    monkeypatch.setattr(hindsight, "CLOSED_CHUNK", 4)  # 6 rows: two chunks
+    auto = hindsight_logprobs(model, builder, rows, GRAMMAR, window, max_batch_tokens=900)
+    full = hindsight_logprobs(model, builder, rows, GRAMMAR, window, max_batch_tokens=900,
+                              route="full")
+    assert calls == [1, 1]
+    plain = turn_logprobs(model, builder, [episode_of(builder, r, GRAMMAR) for r in rows])
+    for got, want, pol in zip(auto, full, plain, strict=True):
+        assert [len(x) for x in got] == [len(x) for x in want]
+        assert torch.allclose(torch.cat(got), torch.cat(want), atol=1e-5, rtol=0)
+        assert float((torch.cat(got) - torch.cat(pol)).abs().max()) > 1e-3  # the pointer acts
+    model_open = gated(tiny_dir, -1.0, pointer_rank=4)
+    hindsight_logprobs(model_open, builder, rows[:1], GRAMMAR, window)
+    assert calls == [1, 1]  # an open gate takes the full route
 
 
 def test_masked_logprobs_rejects_a_target_without_context(tokenizer, tiny_dir):
