@@ -244,8 +244,8 @@ class HindsightParams(FitParams):
 
     gate_init: float = Field(-30.0, le=0.0)
     """Initial gate on the attention logits of the hindsight block's tokens, every layer and
-    head (``-30``: closed, ``pi_ref`` to float precision; the more negative, the slower it
-    opens)."""
+    head (``-20`` or below: closed, exactly ``pi_ref`` outside the block; between ``-20`` and
+    0: open, added to the logits as it is)."""
 
     gate_lr: float = Field(0.0, ge=0.0)
     """Peak learning rate of the gates (the weights use ``lr``; 0: they stay at

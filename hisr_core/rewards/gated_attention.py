@@ -12,8 +12,9 @@ alone. Here instead:
   tokens, which RoPE tolerates, as only relative distances matter);
 * attention: each layer l and query head h adds a learned gate ``g[l, h]`` to the attention
   logits from every token outside the block to every block token (the block reads itself,
-  causally, as plain text). ``g -> -inf`` is exactly ``pi_ref`` on the tokens outside the
-  block; training opens the gates (and may tune the weights) as far as the block helps.
+  causally, as plain text). A closed gate (``g <= CLOSED_GATE``, applied as ``SHUT``) is
+  exactly ``pi_ref`` on the tokens outside the block; training opens the gates (and may tune
+  the weights) as far as the block helps.
 
 The gate rides in the causal fast path of SDPA as one extra query/key channel:
 ``q' = [q, (1 - block_q) / scale]``, ``k' = [k, g * block_k]``, so
@@ -52,6 +53,11 @@ GATES_FILE = "hindsight_gates.safetensors"
 GATE_PARAM = "hind_gate"
 READER = "hind_reader"
 POINTER = "hind_pointer"
+#: A gate at or below this is closed: applied as :data:`SHUT`, so no token outside the block
+#: reads it at all. (A gate of -30 taken as it is still lets a query whose logit towards a
+#: block key is 30 above its others read the block: trained attention logits get there.)
+CLOSED_GATE = -20.0
+SHUT = -1e4
 
 
 # -- the block and its positions -------------------------------------------------------------------
@@ -108,6 +114,7 @@ def gated_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     gate = getattr(module, GATE_PARAM).to(query.dtype)
+    gate = torch.where(gate <= CLOSED_GATE, gate.new_full((), SHUT), gate)
     b, h, t, d = query.shape
     # The gate channel, then zeros to a multiple of 8: an odd head width leaves SDPA's fused
     # kernel for the math one (~4x slower forward and backward on a CPU).
@@ -315,11 +322,6 @@ def _readers(model: nn.Module) -> list[BlockReader]:
     hf = unwrap_hf(model)
     found = [getattr(_layer_of(hf, m), READER, None) for m in attention_modules(hf)]
     return [r for r in found if r is not None]
-
-
-#: Gates at or below this hide the block from every other token: its attention weight is at
-#: most ``exp(-20) ≈ 2e-9`` of the weight of a key with the same logit outside the block.
-CLOSED_GATE = -20.0
 
 
 def gates_closed(model: nn.Module) -> bool:

@@ -225,6 +225,29 @@ def test_batched_hindsight_scores_equal_one_at_a_time(rows, tiny_dir, tokenizer,
             assert torch.allclose(got[k], want, atol=1e-5, rtol=0)
 
 
+def test_a_gate_at_minus_30_is_closed_even_for_large_attention_logits(rows, tiny_dir, tokenizer):
+    """Queries and keys scaled ×30 give attention logits far beyond 30: a −30 gate added as it
+    is would let the block through; closed, the targets score exactly as ``pi_ref``'s. A −19
+    gate is open."""
+    builder = PromptBuilder(tokenizer, None, 4096)
+    window = Window(None, 2, "turn")
+    scores = {}
+    for gate in (-30.0, -19.0, None):
+        model = load_model(tiny_dir).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                    p.mul_(30.0)
+        if gate is None:
+            got = turn_logprobs(model, builder, [episode_of(builder, r, GRAMMAR) for r in rows])
+        else:
+            attach_gates(model, gate)
+            got = hindsight_logprobs(model, builder, rows, GRAMMAR, window, route="full")
+        scores[gate] = torch.cat([x for ep in got for x in ep])
+    assert torch.allclose(scores[-30.0], scores[None], atol=1e-5, rtol=0)
+    assert float((scores[-19.0] - scores[None]).abs().max()) > 1e-3
+
+
 @pytest.mark.parametrize(("window", "max_tokens", "reader_rank"),
                          [(Window(None, 2, "turn"), 4096, 0), (Window(None, 2, "turn"), 600, 4),
                           (Window(1, 2, "turn"), 4096, 4), (Window(None, None, "system"), 600, 0)],
