@@ -16,6 +16,7 @@ same under every combination of the reward options (``credit_options.csv``) and
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from prefect import flow
@@ -40,15 +41,18 @@ def rewards_flow(params_path: Path = Path("params.yaml"), data: Path = Path("dat
     )
 
     d_st, pi_ref = data / "segment" / "d_st.parquet", data / "sft" / "pi_ref"
+    d_ct = data / "collect" / "d_ct.parquet"
     pi_hind, sprm = data / "hindsight" / "pi_hind", data / "sprm"
     out = data / "rewards"
     with run_stage("rewards", params_path, data,
-                   ["env.name", "model", "hindsight.past", "hindsight.future", "sprm.holdout",
+                   ["env.name", "model", "hindsight.past", "hindsight.future", "hindsight.holdout",
+                    "hindsight.seed", "sprm.holdout",
                     "sprm.seed", "rewards"],
                    check=checks(), writes=[out], needs={
-                       d_st: "segment", pi_ref: "sft", pi_hind: "hindsight",
+                       d_st: "segment", d_ct: "collect", pi_ref: "sft", pi_hind: "hindsight",
                        sprm / "model": "sprm"}) as stage:
-        rows = score(stage.params, d_st, pi_ref, pi_hind, sprm, out / "rewards.parquet")
+        rows = score(stage.params, d_st, pi_ref, pi_hind, sprm, d_ct, out / "rewards.parquet",
+                     out / "hindsight_told.json")
         metrics = reward_metrics(rows)
         write_position_plot(metrics["position_share"], out / "position_share.csv",
                             out / "position_share.png")
@@ -63,7 +67,8 @@ def rewards_flow(params_path: Path = Path("params.yaml"), data: Path = Path("dat
         stage.log_files(*(out / name for name in ("position_share.csv", "position_share.png",
                                                   "cases.md", "cases.html", "credit.csv",
                                                   "credit_options.csv")))
-        log_metrics({"rewards": metrics, **credit}, out / "metrics.json")
+        told = json.loads((out / "hindsight_told.json").read_text())
+        log_metrics({"rewards": metrics, **credit, "hindsight_told": told}, out / "metrics.json")
     share = metrics["position_share"]
     print(f"rewards: {metrics['trajectories']} trajectories; mean r_hat sum "
           f"{metrics['r_hat_sum']['success']:.3f} (success) / "

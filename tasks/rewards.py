@@ -27,7 +27,7 @@ from hisr_core.rewards.credit import (
     segment_credit,
 )
 from hisr_core.rewards.gated_attention import load_gated
-from hisr_core.rewards.hindsight import Window, hindsight_logprobs
+from hisr_core.rewards.hindsight import Window, hindsight_logprobs, told_nll, told_turns
 from hisr_core.rewards.modulation import (
     POSITIONS,
     TURN_LEVEL,
@@ -41,6 +41,7 @@ from hisr_core.rewards.modulation import (
 from hisr_core.rewards.sprm import load_sprm, pearson, turn_rewards
 from hisr_core.segment.segmenter import Segment
 from hisr_core.train.engine import resolve_dtype
+from hisr_core.train.fit import split_by_task
 from hisr_core.train.scoring import episode_of, turn_logprobs
 from tasks.caching import cached_task
 from tasks.files import save_figure, write_csv, write_text
@@ -55,12 +56,16 @@ def _sprm_turn_rewards(path: Path, rows: list[dict[str, Any]], builder: PromptBu
     return turn_rewards(model, trajectories, pad, params.rewards.max_batch_tokens)
 
 
-@cached_task("score-rewards", inputs=["d_st", "pi_ref", "pi_hind", "sprm"], outputs=["out"],
+@cached_task("score-rewards", inputs=["d_st", "pi_ref", "pi_hind", "sprm", "d_ct"],
+             outputs=["out", "told_json"],
              sections=["env", "segment", "model", "hindsight", "rewards"])
-def score(params: Params, d_st: Path, pi_ref: Path, pi_hind: Path, sprm: Path,
-          out: Path) -> list[dict[str, Any]]:
+def score(params: Params, d_st: Path, pi_ref: Path, pi_hind: Path, sprm: Path, d_ct: Path,
+          out: Path, told_json: Path) -> list[dict[str, Any]]:
     """Score every trajectory of ``D_st`` (log-probs under ``pi_ref`` and ``pi_hind``, the
-    SPRMs' rewards), compute its rewards for every variant and write ``out``."""
+    SPRMs' rewards), compute its rewards for every variant and write ``out``; write
+    ``told_json``: where the future tells a turn's answer, how much better ``pi_hind``
+    predicts it than ``pi_ref`` (:func:`~hisr_core.rewards.hindsight.told_nll`), over all of
+    ``D_st`` and over the tasks the hindsight stage held out (its split of ``d_ct``)."""
     cfg = params.rewards
     dtype = resolve_dtype(params.model.dtype)
     rows = contracts.read_rows(d_st, "segmented")
@@ -73,6 +78,16 @@ def score(params: Params, d_st: Path, pi_ref: Path, pi_hind: Path, sprm: Path,
                               Window.of(params.hindsight),
                               cfg.max_batch_tokens,
                               progress="score pi_hind")
+    told = [told_turns(r) for r in rows]
+    ct_tasks = sorted({r["task_id"] for r in contracts.read_rows(d_ct, "rollouts")})
+    _, held_idx = split_by_task(ct_tasks, params.hindsight.holdout, params.hindsight.seed)
+    held = {ct_tasks[i] for i in held_idx}
+    sel = [i for i, r in enumerate(rows) if r["task_id"] in held]
+    contracts.write_json({
+        "all": told_nll(told, hind, policy),
+        "heldout": told_nll([told[i] for i in sel], [hind[i] for i in sel],
+                            [policy[i] for i in sel]),
+        "heldout_trajectories": len(sel)}, told_json)
     seg_r = _sprm_turn_rewards(sprm / "model", rows, builder, params, False)
     turn_r: list[torch.Tensor | None] = [None] * len(rows)
     if TURN_LEVEL & set(cfg.variants):

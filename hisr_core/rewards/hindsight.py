@@ -37,15 +37,19 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
 from hisr_core.agent.prompts import Encoded, PromptBuilder
 from hisr_core.config import HindsightParams
+from hisr_core.rewards.credit import bootstrap_ci
 from hisr_core.rewards.gated_attention import (
     POINTER,
     block_span,
@@ -264,3 +268,59 @@ def closed_gate_logprobs(model: PreTrainedModel, examples: Sequence[Sequence[Enc
             row.append(target_logprobs(logits, torch.tensor(seqs[i], device=device)[at]).cpu())
         result.append(row)
     return result
+
+
+# -- where the future tells the answer ------------------------------------------------------------
+#: An object or a place as household and ALFWorld name them: a word and its number.
+_NAMED = re.compile(r"\b[a-z]+ \d+\b")
+
+
+def told_by_future(action: str, next_observation: str) -> bool:
+    """Whether the observation after a turn names every object and place its action names
+    (``take bowl 1 from cabinet 1`` → ``You pick up the bowl 1 from the cabinet 1.``): the
+    hindsight block shows ``pi_hind`` that turn's answer. False for an action naming none."""
+    named = set(_NAMED.findall(action.lower()))
+    seen = next_observation.lower()
+    return bool(named) and all(re.search(rf"\b{re.escape(n)}\b", seen) for n in named)
+
+
+def told_turns(row: Mapping[str, Any]) -> list[bool]:
+    """:func:`told_by_future` of every turn of a trajectory row (the last turn's next
+    observation is the final one)."""
+    turns = row["turns"]
+    after = [t["observation"] for t in turns[1:]] + [row["final_observation"]]
+    return [told_by_future(t["action"], o) for t, o in zip(turns, after, strict=True)]
+
+
+def told_nll(told: Sequence[Sequence[bool]], hind: Sequence[Sequence[torch.Tensor]],
+             ref: Sequence[Sequence[torch.Tensor]], n_boot: int = 1000, seed: int = 0
+             ) -> dict[str, float]:
+    """Mean token NLL of the responses under ``pi_hind`` and under the reference, over the
+    turns the future tells (``told/…``) and over the others (``untold/…``), with ``delta`` =
+    hindsight − reference and its 95% bootstrap CI over trajectories (``delta_low``,
+    ``delta_high``; negative: ``pi_hind`` predicts those responses better).
+
+    Shape: per trajectory, per turn, a flag and two log-prob tensors of the same length
+    (L_k,)."""
+    out: dict[str, float] = {}
+    for name, want in (("told", True), ("untold", False)):
+        # Per trajectory: (hindsight NLL sum, reference NLL sum, tokens) over the chosen turns.
+        sums = np.array([[sum(-float(h.double().sum()) for h, f in zip(hs, fl, strict=True)
+                              if f == want),
+                          sum(-float(r.double().sum()) for r, f in zip(rs, fl, strict=True)
+                              if f == want),
+                          sum(len(h) for h, f in zip(hs, fl, strict=True) if f == want)]
+                         for fl, hs, rs in zip(told, hind, ref, strict=True)]).reshape(-1, 3)
+        tokens = float(sums[:, 2].sum())
+        turns = sum(f == want for fl in told for f in fl)
+
+        def delta(items: np.ndarray) -> float:
+            n = items[:, 2].sum()
+            return float((items[:, 0].sum() - items[:, 1].sum()) / n) if n else math.nan
+
+        point, low, high = bootstrap_ci(delta, sums, n_boot, seed)
+        out |= {f"{name}/turns": float(turns), f"{name}/tokens": tokens,
+                f"{name}/nll_hind": float(sums[:, 0].sum() / tokens) if tokens else math.nan,
+                f"{name}/nll_ref": float(sums[:, 1].sum() / tokens) if tokens else math.nan,
+                f"{name}/delta": point, f"{name}/delta_low": low, f"{name}/delta_high": high}
+    return out

@@ -100,6 +100,12 @@ def test_sprm_hindsight_and_rewards_stages(staged, run_module, write_params, mlf
     assert all(f"{v}/return_margin_ratio" in credit for v in VARIANTS)
     header = (data / "rewards" / "credit.csv").read_text().splitlines()[0]
     assert header.startswith("scope,signal,spearman,spearman_low,spearman_high,kendall")
+    told = json.loads((data / "rewards" / "metrics.json").read_text())["hindsight_told"]
+    n_turns = sum(r["n_turns"] for r in d_st)
+    assert told["all"]["told/turns"] + told["all"]["untold/turns"] == n_turns
+    assert told["all"]["told/turns"] > 0 and 0 < told["heldout_trajectories"] < 12
+    assert told["all"]["told/delta"] == pytest.approx(
+        told["all"]["told/nll_hind"] - told["all"]["told/nll_ref"])
     metrics = json.loads((data / "rewards" / "metrics.json").read_text())["rewards"]
     assert metrics["trajectories"] == 12
     share = metrics["position_share"]["all/r_him"]

@@ -28,6 +28,9 @@ from hisr_core.rewards.hindsight import (
     closed_gate_logprobs,
     hindsight_example,
     hindsight_logprobs,
+    told_by_future,
+    told_nll,
+    told_turns,
     trajectory_examples,
 )
 from hisr_core.train.engine import apply_lora, freeze_weights, param_groups
@@ -386,3 +389,32 @@ def test_a_block_at_turn_k_takes_the_positions_just_before_it(rows, tokenizer):
         # Turn k's first token is at index i with the block, at position i - n without it.
         n = end - start
         assert at == max(0, moved.turn_ids.index(k) - n - n)
+
+
+def test_a_turn_is_told_by_its_future_when_the_next_observation_names_what_it_acts_on():
+    assert told_by_future("take bowl 1 from cabinet 1", "You pick up the bowl 1 from the cabinet 1.")
+    assert told_by_future("go to cabinet 1", "You arrive at cabinet 1. The cabinet 1 is closed.")
+    assert not told_by_future("take mug 3 from table 1", "Nothing happens.")
+    assert not told_by_future("go to cabinet 1", "You arrive at cabinet 10.")  # not cabinet 1
+    assert not told_by_future("inventory", "You are carrying: a bowl 1.")  # names nothing
+    row = {"turns": [{"action": "go to shelf 2", "observation": "start"},
+                     {"action": "take cup 1 from shelf 2", "observation": "You arrive at shelf 2."}],
+           "final_observation": "Nothing happens."}
+    assert told_turns(row) == [True, False]
+
+
+def test_told_nll_by_hand():
+    """Trajectory A: a told turn (NLL 1, 1 under pi_hind; 2, 2 under pi_ref) and an untold one
+    (2 and 2); B: a told turn (0.5 and 0.5). Told: pi_hind (2 + 0.5) / 3, pi_ref (4 + 0.5) / 3,
+    delta -2/3; untold: 2 and 2, delta 0."""
+    t = torch.tensor
+    got = told_nll([[True, False], [True]],
+                   [[t([-1.0, -1.0]), t([-2.0])], [t([-0.5])]],
+                   [[t([-2.0, -2.0]), t([-2.0])], [t([-0.5])]], n_boot=200)
+    assert got["told/turns"] == 2 and got["told/tokens"] == 3
+    assert got["told/nll_hind"] == pytest.approx(2.5 / 3)
+    assert got["told/nll_ref"] == pytest.approx(4.5 / 3)
+    assert got["told/delta"] == pytest.approx(-2 / 3)
+    assert got["told/delta_low"] <= -2 / 3 + 1e-9 and got["told/delta_high"] <= 0
+    assert (got["untold/turns"], got["untold/tokens"], got["untold/delta"]) == (1, 1, 0.0)
+    assert got["untold/nll_hind"] == got["untold/nll_ref"] == 2.0
