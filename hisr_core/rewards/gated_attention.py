@@ -325,9 +325,16 @@ def _readers(model: nn.Module) -> list[BlockReader]:
 
 
 def gates_closed(model: nn.Module) -> bool:
-    """Whether no token outside the block reads it through attention (every gate at or below
-    :data:`CLOSED_GATE`): then their hidden states are the model's own without the block."""
-    return float(gate_values(model).max()) <= CLOSED_GATE
+    """Whether no token outside the block reads it through attention (every layer gated, every
+    gate at or below :data:`CLOSED_GATE`): then their hidden states are the model's own
+    without the block. False for a model without gates (it reads the block as plain text)."""
+    try:
+        modules = attention_modules(model)
+    except ValueError:
+        return False
+    gates = [getattr(m, GATE_PARAM, None) for m in modules]
+    return all(g is not None for g in gates) and \
+        max(float(g.detach().max()) for g in gates) <= CLOSED_GATE
 
 
 def clear_pointer_stash(model: nn.Module) -> None:
