@@ -3,7 +3,7 @@
     python -m flows.pipeline [--params params.yaml] [--data data] [--from STAGE]
 
 expert → sft → evaluate (sft) → collect → segment → sprm → hindsight → rewards → for each
-variant and seed of ``sweep``: ppo → evaluate → report. Each stage is a sub-flow run (the
+seed of ``sweep``: start_curve → for each variant and seed: ppo → evaluate → report. Each stage is a sub-flow run (the
 Prefect UI shows them nested) and a child of one MLflow parent run. ``--from`` starts at a
 stage, reusing what the earlier ones wrote to ``--data``. After a failure, the same command
 continues the same MLflow parent run, and PPO resumes from its checkpoint. ``dvc repro`` runs
@@ -28,13 +28,15 @@ from flows.rewards import rewards_flow
 from flows.segment import segment_flow
 from flows.sft import sft_flow
 from flows.sprm import sprm_flow
+from flows.start_curve import start_curve_flow
 from tasks.cli import load_or_exit, stage_parser
 from tasks.stage import run_name
 from tasks.tracking import pipeline_run_id
 
-#: Stage names in graph order (``ppo`` and ``evaluate`` run once per variant and seed).
+#: Stage names in graph order (``start_curve`` runs once per seed, ``ppo`` and ``evaluate``
+#: once per variant and seed).
 STAGES = ("expert", "sft", "evaluate_sft", "collect", "segment", "sprm", "hindsight", "rewards",
-          "ppo", "report")
+          "start_curve", "ppo", "report")
 
 
 @flow(name="pipeline", log_prints=True, flow_run_name=run_name("pipeline/from-{start}"))
@@ -52,6 +54,8 @@ def pipeline_flow(params_path: Path = Path("params.yaml"), data: Path = Path("da
         ("collect", "collect", collect_flow, {"model": pi_ref}),
         ("segment", "segment", segment_flow, {}), ("sprm", "sprm", sprm_flow, {}),
         ("hindsight", "hindsight", hindsight_flow, {}), ("rewards", "rewards", rewards_flow, {})]
+    runs += [("start_curve", f"start_curve@{seed}", start_curve_flow, {"seed": seed})
+             for seed in params.sweep.seeds]
     for variant in params.sweep.variants:
         for seed in params.sweep.seeds:
             runs += [("ppo", f"ppo@{variant}-{seed}", ppo_flow,

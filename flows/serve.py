@@ -29,12 +29,13 @@ def deployments(params_path: Path, data: Path) -> list:
     from flows.segment import segment_flow
     from flows.sft import sft_flow
     from flows.sprm import sprm_flow
+    from flows.start_curve import start_curve_flow
 
     common = {"params_path": str(params_path), "data": str(data)}
     pi_ref = str(data / "sft" / "pi_ref")
     specs = [(expert_flow, {}), (sft_flow, {}), (collect_flow, {"model": pi_ref}),
              (segment_flow, {}), (sprm_flow, {}), (hindsight_flow, {}), (rewards_flow, {}),
-             (ppo_flow, {"variant": "hisr", "seed": 0}),
+             (start_curve_flow, {"seed": 0}), (ppo_flow, {"variant": "hisr", "seed": 0}),
              (evaluate_flow, {"model": pi_ref, "name": "sft"}), (report_flow, {}),
              (pipeline_flow, {"start": "expert"})]
     return [f.to_deployment(name=f.name, parameters={**common, **extra},

@@ -158,3 +158,48 @@ def paired_difference(a: np.ndarray, b: np.ndarray, n_boot: int = N_BOOT, seed: 
     boot_a, boot_b = _resampled_means(a, b, n_boot, seed)
     low, high = np.quantile(boot_a - boot_b, [alpha / 2, 1 - alpha / 2])
     return float(a.mean() - b.mean()), float(low), float(high)
+
+
+# -- learning against the start: PPO's training draws replayed by pi_ref ----------------------------
+def curve_difference(runs: Mapping[int, Sequence[Mapping[str, float]]],
+                     starts: Mapping[int, Sequence[Mapping[str, float]]],
+                     key: str = "rollout_success") -> np.ndarray:
+    """Per seed and iteration: a run's ``key`` minus that of its start curve (the same seed's
+    draws played by ``pi_ref``); NaN where either lacks the iteration. Seeds without a start
+    curve are left out. Shape: ``runs[seed][row]`` with ``row["iteration"]`` counted from 1 →
+    (S, I), S the seeds with both, I the last iteration any run logged."""
+    def by_iteration(rows: Sequence[Mapping[str, float]]) -> dict[int, float]:
+        return {int(r["iteration"]): float(r[key]) for r in rows
+                if key in r and not math.isnan(float(r[key]))}
+
+    seeds = [s for s in sorted(runs) if s in starts]
+    pairs = [(by_iteration(runs[s]), by_iteration(starts[s])) for s in seeds]
+    width = max((i for run, _ in pairs for i in run), default=0)
+    out = np.full((len(seeds), width), np.nan)
+    for row, (run, start) in enumerate(pairs):
+        for i, value in run.items():
+            if i in start:
+                out[row, i - 1] = value - start[i]
+    return out
+
+
+def block_differences(diff: np.ndarray, block: int, n_boot: int = N_BOOT, seed: int = 0,
+                      alpha: float = ALPHA) -> list[tuple[int, int, float, float, float]]:
+    """Per block of ``block`` consecutive iterations: (first, last iteration, mean difference,
+    percentile-bootstrap interval), over the block's (seed, iteration) cells that have a value,
+    resampled with replacement (an iteration's draws are independent of the others'). Blocks
+    without a value are left out. Shape: (S, I) from :func:`curve_difference`."""
+    if block < 1:
+        raise ValueError(f"block must be >= 1, not {block}")
+    rng = np.random.default_rng(seed)
+    out = []
+    for first in range(0, diff.shape[1], block):
+        cells = diff[:, first:first + block]
+        values = cells[~np.isnan(cells)]
+        if values.size == 0:
+            continue
+        boot = rng.choice(values, size=(n_boot, values.size)).mean(axis=1)
+        low, high = np.quantile(boot, [alpha / 2, 1 - alpha / 2])
+        out.append((first + 1, min(first + block, diff.shape[1]), float(values.mean()),
+                    float(low), float(high)))
+    return out

@@ -7,18 +7,22 @@ from __future__ import annotations
 import csv
 import html
 import json
+import math
 import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from prefect import task
 
 from hisr_core import contracts
 from hisr_core.config import Params
 from hisr_core.report import (
     Cell,
+    block_differences,
+    curve_difference,
     markdown_table,
     mean_curve,
     ordered,
@@ -38,11 +42,13 @@ CURVES = {"rollout_success": "rollout success", "rewards_fused_mean": "fused rew
 
 @dataclass
 class Inputs:
-    """What the report found: evaluations per policy (one per seed), PPO curves per variant,
-    and the runs of the sweep that are missing."""
+    """What the report found: evaluations per policy (one per seed), PPO curves per variant
+    and seed, the start curves per seed, and the runs of the sweep that are missing."""
 
     evaluations: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    curves: dict[str, list[list[dict[str, float]]]] = field(default_factory=dict)
+    curves: dict[str, dict[int, list[dict[str, float]]]] = field(default_factory=dict)
+    #: seed → ``pi_ref`` playing that seed's PPO draws (``flows.start_curve``).
+    starts: dict[int, list[dict[str, float]]] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     #: policy → split → one ``{task_id: 1.0 | 0.0}`` per seed whose episodes are at hand.
     outcomes: dict[str, dict[str, list[dict[str, float]]]] = field(default_factory=dict)
@@ -73,15 +79,19 @@ def gather(params: Params, data: Path) -> Inputs:
         if seed is not None and curve.is_file():
             rows = _read_curve(curve)
             if rows and "rollout_success" in rows[0]:  # rft's curve is a loss curve
-                found.curves.setdefault(policy, []).append(rows)
+                found.curves.setdefault(policy, {})[seed] = rows
+    for seed in params.sweep.seeds:
+        start = data / "ppo" / "sft" / f"seed{seed}" / "curve.csv"
+        if start.is_file() and (rows := _read_curve(start)):
+            found.starts[seed] = rows
     if not found.evaluations:
         raise FileNotFoundError(f"no evaluation under {data / 'eval'}; run the evaluate stages "
                                 "first (dvc repro evaluate_sft, dvc repro evaluate)")
     return found
 
 
-def plot_curves(curves: dict[str, list[list[dict[str, float]]]], path: Path) -> None:
-    """One panel per ``CURVES`` column, one line per variant (mean over seeds); an empty
+def plot_curves(curves: dict[str, dict[int, list[dict[str, float]]]], path: Path) -> None:
+    """One panel per ``CURVES`` column, one line per policy (mean over seeds); an empty
     figure saying so when no PPO run has a curve (``rft`` only)."""
     import matplotlib
 
@@ -91,7 +101,7 @@ def plot_curves(curves: dict[str, list[list[dict[str, float]]]], path: Path) -> 
     fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES), 3.6))
     for ax, (key, label) in zip(axes, CURVES.items(), strict=True):
         for variant in ordered(list(curves)):
-            points = mean_curve(curves[variant], key)
+            points = mean_curve(list(curves[variant].values()), key)
             if points:
                 n = len(curves[variant])
                 ax.plot(*zip(*points, strict=True), marker="o", markersize=3,
@@ -103,6 +113,54 @@ def plot_curves(curves: dict[str, list[list[dict[str, float]]]], path: Path) -> 
         axes[0].legend(fontsize=8)
     else:
         axes[0].text(0.5, 0.5, "no PPO curves", ha="center", transform=axes[0].transAxes)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def learning_rows(curves: dict[str, dict[int, list[dict[str, float]]]],
+                  starts: dict[int, list[dict[str, float]]], figure: Path
+                  ) -> tuple[list[str], list[list[str]]]:
+    """The table of each variant's success minus its start curve's per block of iterations
+    (about six blocks over the run), and ``figure``: those differences per iteration, a moving
+    mean over a block. No rows (and no figure) without start curves."""
+    diffs = {v: d for v in ordered(list(curves))
+             if (d := curve_difference(curves[v], starts)).size}
+    if not diffs:
+        return [], []
+    width = max(d.shape[1] for d in diffs.values())
+    block = max(1, math.ceil(width / 6))
+    spans = [(first, min(first + block - 1, width)) for first in range(1, width + 1, block)]
+    header = ["variant", *(f"iterations {a}–{b}" for a, b in spans), "seeds"]
+    rows = []
+    for variant, diff in diffs.items():
+        cells = {first: f"{100 * m:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+                 for first, _, m, lo, hi in block_differences(diff, block)}
+        rows.append([variant, *(cells.get(a, "-") for a, _ in spans), str(diff.shape[0])])
+    _plot_learning(diffs, block, figure)
+    return header, rows
+
+
+def _plot_learning(diffs: dict[str, np.ndarray], block: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def mean(values: np.ndarray) -> float:
+        values = values[~np.isnan(values)]
+        return float(values.mean()) if values.size else math.nan
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for variant, diff in diffs.items():
+        # Window ending at each iteration: every (seed, iteration) cell in it with a value.
+        ends = range(block, diff.shape[1] + 1)
+        ax.plot(list(ends), [100 * mean(diff[:, end - block:end].ravel()) for end in ends],
+                label=f"{variant} ({diff.shape[0]} seeds)")
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xlabel("iteration (end of the moving window)")
+    ax.set_ylabel(f"success − start, points ({block}-iteration mean)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, path)
 
@@ -174,12 +232,23 @@ def write_report(params: Params, data: Path, out: Path) -> dict[str, Any]:
                     "intervals over the same tasks and seeds (seed s of one policy paired with "
                     "seed s of the other); an interval that excludes 0 tells the two apart.")
             _add_table(md, page, title, header, rows, note)
-    plot_curves(found.curves, out / "curves.png")
+    plot_curves({**({"sft": found.starts} if found.starts else {}), **found.curves},
+                out / "curves.png")
     if found.curves:
-        md += ["## Learning curves", "", "Per PPO iteration, mean over seeds.", "",
-               "![learning curves](curves.png)", ""]
-        page.append("<h2>Learning curves</h2><p>Per PPO iteration, mean over seeds.</p>"
+        note = ("Per PPO iteration, mean over seeds; `sft`: `pi_ref` playing the same draws "
+                "(`flows.start_curve`).")
+        md += ["## Learning curves", "", note, "", "![learning curves](curves.png)", ""]
+        page.append(f"<h2>Learning curves</h2><p>{html.escape(note)}</p>"
                     "<img src='curves.png' alt='learning curves'>")
+    header, rows = learning_rows(found.curves, found.starts, out / "learning.png")
+    if rows:
+        note = ("Training success minus that of `pi_ref` playing the same tasks with the same "
+                "sampler seeds, in percentage points, per block of iterations (mean over the "
+                "block's iterations and seeds, 95% bootstrap interval over them). The draws' "
+                "varying difficulty cancels; the first iteration is played by `pi_ref` in both.")
+        _add_table(md, page, "Learning against the start (training draws)", header, rows, note)
+        md += ["![learning against the start](learning.png)", ""]
+        page.append("<img src='learning.png' alt='learning against the start'>")
     md_a, page_a = _analyses(data, out)
     md += md_a
     page += page_a

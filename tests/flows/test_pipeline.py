@@ -28,9 +28,10 @@ pytestmark = pytest.mark.slow
 
 VARIANTS = ["hisr"]
 STAGES = {"expert", "sft", "evaluate_sft", "collect", "segment", "sprm", "hindsight", "rewards",
-          *(f"ppo@{v}-0" for v in VARIANTS), *(f"evaluate@{v}-0" for v in VARIANTS), "report"}
-FLOWS = {"expert", "sft", "evaluate", "collect", "segment", "sprm", "hindsight", "rewards", "ppo",
-         "report"}
+          "start_curve@0", *(f"ppo@{v}-0" for v in VARIANTS),
+          *(f"evaluate@{v}-0" for v in VARIANTS), "report"}
+FLOWS = {"expert", "sft", "evaluate", "collect", "segment", "sprm", "hindsight", "rewards",
+         "start_curve", "ppo", "report"}
 
 
 @pytest.fixture
@@ -159,6 +160,8 @@ def test_dvc_repro_end_to_end(repo):
     report = (copy / "data" / "report" / "report.md").read_text()
     assert "## Success rate, valid_seen" in report
     assert "## Credit accuracy against the oracle" in report and "| credit | r_him |" in report
+    assert "## Learning against the start (training draws)" in report
+    assert (copy / "data" / "report" / "learning.png").stat().st_size > 1000
     assert all(f"| {p} |" in report for p in ["sft", *VARIANTS])
     assert (copy / "data" / "report" / "report.html").read_text().startswith("<!doctype html>")
     assert (copy / "data" / "report" / "curves.png").stat().st_size > 1000
@@ -177,7 +180,7 @@ def test_dvc_repro_end_to_end(repo):
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     children = {r.info.run_name: r for r in mruns if r not in parents}
     expected = {"expert", "sft", "evaluate/sft", "collect", "segment", "sprm", "hindsight",
-                "rewards", *(f"ppo/{v}/seed0" for v in VARIANTS),
+                "rewards", "start_curve/seed0", *(f"ppo/{v}/seed0" for v in VARIANTS),
                 *(f"evaluate/{v}/seed0" for v in VARIANTS), "report"}
     assert set(children) == expected
     for name, run in children.items():
@@ -202,7 +205,7 @@ def test_dvc_repro_end_to_end(repo):
 
     # The README's seed sweep: a second seed adds its runs and reruns nothing else.
     swept = _dvc(copy, env, "exp", "run", "-S", "sweep.seeds=[0,1]")
-    assert _ran(swept) == {*(f"ppo@{v}-1" for v in VARIANTS),
+    assert _ran(swept) == {"start_curve@1", *(f"ppo@{v}-1" for v in VARIANTS),
                            *(f"evaluate@{v}-1" for v in VARIANTS), "report"}
     report = (copy / "data" / "report" / "report.md").read_text()
     assert all(f"| {v} |" in report and report.split(f"| {v} |")[1].split("\n")[0]

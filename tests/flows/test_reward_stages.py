@@ -208,3 +208,58 @@ def test_ppo_stage_trains_resumes_and_logs(staged, run_module, write_params, mlf
     policy = run_models(hisr[0].info.run_id)["policy-hisr-seed0"]
     assert policy.tags["variant"] == "hisr" and policy.tags["hisr.kind"] == "policy"
     assert any(r.info.run_name == "ppo/rft/seed0" for r in runs)
+
+
+def test_start_curve_replays_ppos_draws_and_resumes(staged, write_params, tmp_path,
+                                                    monkeypatch):
+    """``pi_ref`` playing the draws of the PPO run above: its first two iterations are that
+    run's own episodes (the critic's warm-up iteration leaves the policy as it was), so
+    success and parse failures agree exactly. A run stopped after one iteration goes on from
+    there to the same curve."""
+    import tasks.start_curve as sc
+    from hisr_core.config import load_params
+
+    data = staged
+    ppo_curve = data / "ppo" / "hisr" / "seed0" / "curve.csv"
+    assert ppo_curve.is_file(), "run with the test above"
+    params = load_params(write_params(_ppo_overrides()))
+    assert params.ppo.critic_warmup == 1 and params.ppo.iterations == 2
+
+    def run(name: str) -> list[dict[str, float]]:
+        report = sc.start_curve.fn(params, data / "sft" / "pi_ref",
+                                   data / "tasks" / "train.parquet", tmp_path / f"{name}.csv",
+                                   tmp_path / f"{name}-checkpoint", None)
+        assert report["iterations"] == 2 and report["episodes"] == 8
+        assert not (tmp_path / f"{name}-checkpoint").exists()
+        return _csv(tmp_path / f"{name}.csv")
+
+    straight = run("straight")
+    ppo = _csv(ppo_curve)
+    for key in ("rollout_success", "rollout_parse_failure_rate"):
+        assert [r[key] for r in straight] == [r[key] for r in ppo], key
+    assert [r["iteration"] for r in straight] == [1, 2]
+
+    real, played = sc.collect, []
+
+    def stopped_at_the_second(*args, **kwargs):  # args[7]: the iteration (from 0)
+        played.append(args[7])
+        if len(played) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sc, "collect", stopped_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        run("stopped")
+    assert json.loads((tmp_path / "stopped-checkpoint" / "rows.json").read_text()) == \
+        [[straight[0][k] for k in sc.COLUMNS]]
+    played.clear()
+    monkeypatch.setattr(sc, "collect", lambda *a, **k: played.append(a[7]) or real(*a, **k))
+    assert run("stopped") == straight
+    assert played == [1], "the resumed run plays only the iteration left"
+
+
+def _csv(path: Path) -> list[dict[str, float]]:
+    import csv
+
+    with path.open(newline="") as f:
+        return [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)]

@@ -19,8 +19,8 @@ from tests.pipeline_copy import tiny_params
 pytestmark = pytest.mark.slow
 
 #: Deployment names (each named like its flow: ``expert/expert`` and so on).
-DEPLOYMENTS = {"expert", "sft", "collect", "segment", "sprm", "hindsight", "rewards", "ppo",
-               "evaluate", "report", "pipeline"}
+DEPLOYMENTS = {"expert", "sft", "collect", "segment", "sprm", "hindsight", "rewards",
+               "start_curve", "ppo", "evaluate", "report", "pipeline"}
 
 
 def _prefect(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -70,4 +70,5 @@ def test_serve_registers_every_stage_and_runs_the_pipeline(prefect_api, tmp_path
     children = {r.info.run_name for r in runs
                 if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
     assert children == {"expert", "sft", "evaluate/sft", "collect", "segment", "sprm",
-                        "hindsight", "rewards", "ppo/ppo/seed0", "evaluate/ppo/seed0", "report"}
+                        "hindsight", "rewards", "start_curve/seed0", "ppo/ppo/seed0",
+                        "evaluate/ppo/seed0", "report"}

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from hisr_core.report import (
+    block_differences,
     cell,
+    curve_difference,
     markdown_table,
     mean_curve,
     ordered,
@@ -102,3 +104,30 @@ def test_outcome_matrix_and_the_comparison_table():
     assert by["ppo"][1].startswith("83.3 [") and by["ppo"][2].startswith("+50.0 [")
     assert by["ppo"][3] == "–"  # no no_both run
     assert comparison_rows({"ppo": {"valid_seen": ppo}}, "valid_unseen") == ([], [])
+
+
+def test_curve_difference_pairs_iterations_by_seed():
+    run = {0: [{"iteration": 1, "s": 0.5}, {"iteration": 2, "s": 0.75}, {"iteration": 3, "s": 1.0}],
+           1: [{"iteration": 1, "s": 0.25}, {"iteration": 2, "s": math.nan}],
+           2: [{"iteration": 1, "s": 0.0}]}   # no start curve for seed 2: left out
+    start = {0: [{"iteration": 1, "s": 0.5}, {"iteration": 2, "s": 0.25}],
+             1: [{"iteration": 1, "s": 0.5}, {"iteration": 2, "s": 0.5}]}
+    diff = curve_difference(run, start, "s")
+    assert diff.shape == (2, 3)
+    np.testing.assert_array_equal(diff, [[0.0, 0.5, np.nan], [-0.25, np.nan, np.nan]])
+    assert curve_difference(run, {}, "s").shape == (0, 0)
+
+
+def test_block_differences_by_hand():
+    diff = np.array([[0.0, 0.5, 0.25, np.nan, 0.1],
+                     [0.5, np.nan, 0.25, 0.25, np.nan]])
+    blocks = block_differences(diff, 2, n_boot=500)
+    assert [(a, b) for a, b, *_ in blocks] == [(1, 2), (3, 4), (5, 5)]
+    first, second, last = blocks
+    assert first[2] == pytest.approx(1 / 3)           # 0, 0.5, 0.5
+    assert 0.0 <= first[3] <= first[2] <= first[4] <= 0.5
+    assert second[2:] == pytest.approx((0.25, 0.25, 0.25))   # every cell 0.25: no spread
+    assert last[2:] == pytest.approx((0.1, 0.1, 0.1))
+    assert block_differences(np.full((1, 3), np.nan), 2) == []
+    with pytest.raises(ValueError, match="block must be >= 1"):
+        block_differences(diff, 0)
