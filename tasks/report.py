@@ -264,7 +264,8 @@ def write_report(params: Params, data: Path, out: Path) -> dict[str, Any]:
 def comparison_rows(outcomes: dict[str, dict[str, list[dict[str, float]]]], split: str
                     ) -> tuple[list[str], list[list[str]]]:
     """Per policy with episodes of ``split``: its Avg success with a 95% interval, and its
-    paired difference to ``sft`` and to ``no_both`` (over the tasks every run played)."""
+    paired difference to ``sft``, ``no_both`` and ``ppo`` (over the tasks every run played):
+    the paper's ordering ``hisr > no_both > ppo`` pair by pair."""
     runs = {p: by_split[split] for p, by_split in outcomes.items() if by_split.get(split)}
     if not runs:
         return [], []
@@ -278,14 +279,16 @@ def comparison_rows(outcomes: dict[str, dict[str, list[dict[str, float]]]], spli
         return (fmt.format(100 * point) + " [" + fmt.format(100 * low) + ", "
                 + fmt.format(100 * high) + "]")
 
-    header = ["policy", f"Avg [95% CI] ({len(tasks)} tasks)", "vs sft", "vs no_both", "seeds"]
+    others = ("sft", "no_both", "ppo")
+    header = ["policy", f"Avg [95% CI] ({len(tasks)} tasks)", *(f"vs {o}" for o in others),
+              "seeds"]
     rows = []
     for policy in ordered(list(matrix)):
         m = matrix[policy]
         rows.append([policy, interval(*success_interval(m)),
                      *(interval(*paired_difference(m, matrix[other]), signed=True)
                        if other in matrix and other != policy else "–"
-                       for other in ("sft", "no_both")), str(m.shape[0])])
+                       for other in others), str(m.shape[0])])
     return header, rows
 
 

@@ -100,9 +100,11 @@ def test_outcome_matrix_and_the_comparison_table():
     assert header[1] == "Avg [95% CI] (3 tasks)"  # the tasks every run played
     by = {r[0]: r for r in rows}
     assert list(by) == ["sft", "ppo"]
-    assert by["sft"][1].startswith("33.3 [") and by["sft"][2] == "–" and by["sft"][4] == "1"
+    assert header[2:] == ["vs sft", "vs no_both", "vs ppo", "seeds"]
+    assert by["sft"][1].startswith("33.3 [") and by["sft"][2] == "–" and by["sft"][5] == "1"
+    assert by["sft"][4].startswith("-50.0 [")  # sft minus ppo
     assert by["ppo"][1].startswith("83.3 [") and by["ppo"][2].startswith("+50.0 [")
-    assert by["ppo"][3] == "–"  # no no_both run
+    assert by["ppo"][3] == "–" and by["ppo"][4] == "–"  # no no_both run; not against itself
     assert comparison_rows({"ppo": {"valid_seen": ppo}}, "valid_unseen") == ([], [])
 
 
