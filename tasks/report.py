@@ -122,10 +122,11 @@ def learning_rows(curves: dict[str, dict[int, list[dict[str, float]]]],
                   ) -> tuple[list[str], list[list[str]]]:
     """The table of each variant's success minus its start curve's per block of iterations
     (about six blocks over the run), and ``figure``: those differences per iteration, a moving
-    mean over a block. No rows (and no figure) without start curves."""
+    mean over a block (a figure that says so, and no rows, without start curves)."""
     diffs = {v: d for v in ordered(list(curves))
              if (d := curve_difference(curves[v], starts)).size}
     if not diffs:
+        _plot_learning({}, 1, figure)
         return [], []
     width = max(d.shape[1] for d in diffs.values())
     block = max(1, math.ceil(width / 6))
@@ -160,7 +161,11 @@ def _plot_learning(diffs: dict[str, np.ndarray], block: int, path: Path) -> None
     ax.set_xlabel("iteration (end of the moving window)")
     ax.set_ylabel(f"success − start, points ({block}-iteration mean)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if diffs:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no PPO run with a start curve (dvc repro start_curve)", ha="center",
+                transform=ax.transAxes)
     fig.tight_layout()
     save_figure(fig, path)
 
