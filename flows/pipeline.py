@@ -3,8 +3,9 @@
     python -m flows.pipeline [--params params.yaml] [--data data] [--from STAGE]
 
 expert → sft → evaluate (sft) → collect → segment → sprm → hindsight → rewards → for each
-seed of ``sweep``: start_curve → for each variant and seed: ppo → evaluate → report. Each stage is a sub-flow run (the
-Prefect UI shows them nested) and a child of one MLflow parent run. ``--from`` starts at a
+seed of ``sweep``: start_curve → for each variant and seed: ppo → evaluate → report. Each
+stage is a sub-flow run (the Prefect UI shows them nested) and a child of one MLflow parent
+run. ``--from`` starts at a
 stage, reusing what the earlier ones wrote to ``--data``. After a failure, the same command
 continues the same MLflow parent run, and PPO resumes from its checkpoint. ``dvc repro`` runs
 the same stages but only those whose inputs changed.
