@@ -156,7 +156,7 @@ def _plot_learning(diffs: dict[str, np.ndarray], block: int, path: Path) -> None
         # Window ending at each iteration: every (seed, iteration) cell in it with a value.
         ends = range(block, diff.shape[1] + 1)
         ax.plot(list(ends), [100 * mean(diff[:, end - block:end].ravel()) for end in ends],
-                label=f"{variant} ({diff.shape[0]} seeds)")
+                label=f"{variant} ({diff.shape[0]} seed{'s' if diff.shape[0] > 1 else ''})")
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_xlabel("iteration (end of the moving window)")
     ax.set_ylabel(f"success − start, points ({block}-iteration mean)")
