@@ -242,6 +242,15 @@ class HindsightParams(FitParams):
     """Positions the hindsight block is read at: ``system`` where it sits (after the system
     text), ``turn`` just before the masked turn's observation (the recent context)."""
 
+    reads: Literal["episode", "block"] = "episode"
+    """Where ``pi_hind`` reads the future from. ``episode``: ``pi_ref``'s own pass over the
+    episode; the copy head reads the hidden states of the ``future`` turns after k there, and
+    of the outcome line read on its own; the weights stay ``pi_ref``'s and the copy head alone
+    trains, on features computed once (one pass over ``D_ct``). ``block``: the later turns and
+    the outcome written as a block into each turn's example, read through gated attention
+    (each turn's example re-encodes its past; the gates, block readers and weights can
+    train)."""
+
     gate_init: float = Field(-30.0, le=0.0)
     """Initial gate on the attention logits of the hindsight block's tokens, every layer and
     head (``-20`` or below: closed, exactly ``pi_ref`` outside the block; between ``-20`` and
@@ -269,6 +278,17 @@ class HindsightParams(FitParams):
 
     @model_validator(mode="after")
     def _lora_needs_a_rate(self) -> HindsightParams:
+        if self.reads == "episode":
+            trained = [name for name, on in (("lr", self.lr > 0), ("gate_lr", self.gate_lr > 0),
+                                             ("reader_rank", self.reader_rank > 0),
+                                             ("lora.enabled", self.lora.enabled)) if on]
+            if trained:
+                raise ValueError(f"hindsight.reads: episode keeps pi_ref's weights and trains "
+                                 f"the copy head alone; set {', '.join(trained)} to 0/false, "
+                                 "or hindsight.reads: block")
+            if self.pointer_rank == 0:
+                raise ValueError("hindsight.reads: episode needs the copy head "
+                                 "(hindsight.pointer_rank > 0)")
         if self.lora.enabled and self.lr == 0:
             raise ValueError("hindsight.lora.enabled needs hindsight.lr > 0 (lr 0 keeps the "
                              "weights frozen: no adapters to train)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,11 +12,29 @@ import torch
 from hisr_core import contracts
 from hisr_core.agent.models import load_model, load_tokenizer
 from hisr_core.agent.prompts import PromptBuilder
-from hisr_core.config import Params
+from hisr_core.config import HindsightParams, Params
 from hisr_core.envs import environment_class
-from hisr_core.rewards.gated_attention import attach_gates, gate_values, load_gated, save_gates
-from hisr_core.rewards.hindsight import Window, hindsight_logprobs, trajectory_examples
-from hisr_core.train.engine import freeze_weights, resolve_dtype
+from hisr_core.rewards.gated_attention import (
+    POINTER,
+    attach_gates,
+    gate_values,
+    load_gated,
+    save_gates,
+)
+from hisr_core.rewards.hindsight import (
+    Window,
+    episode_features,
+    fit_pointer,
+    hindsight_logprobs,
+    trajectory_examples,
+)
+from hisr_core.train.engine import (
+    freeze_weights,
+    lm_parts,
+    resolve_dtype,
+    save_model_folder,
+    unwrap_hf,
+)
 from hisr_core.train.fit import split_by_task
 from hisr_core.train.scoring import episode_of, turn_logprobs
 from hisr_core.train.sft import train_sft
@@ -44,9 +64,7 @@ def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_
     rows = contracts.read_rows(d_ct, "rollouts")
     window = Window.of(cfg)
     train_idx, held_idx = split_by_task([r["task_id"] for r in rows], cfg.holdout, cfg.seed)
-    examples = [e for i in train_idx
-                for e in trajectory_examples(builder, rows[i], grammar, window)]
-    if not examples:
+    if not train_idx:
         raise ValueError(f"{d_ct} has no training trajectories")
     curve = LossCurve("hindsight", run_id)
     model = load_model(pi_ref, dtype=dtype)
@@ -54,14 +72,24 @@ def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_
                  cfg.pointer_rank, cfg.pointer_lr)
     if cfg.lr == 0:
         freeze_weights(model)
-    checkpoint = checkpoints.for_output(out_dir, params, ["env", "model", "hindsight"],
-                                        [d_ct, pi_ref], run_id)
-    stats = train_sft(model, tokenizer, examples, cfg, params.model.dtype, curve, lora=cfg.lora,
-                      out_dir=out_dir, name="hindsight",
-                      extra=lambda folder: save_gates(model, folder), checkpoint=checkpoint)
+    checkpoint = None
+    if cfg.reads == "episode":
+        stats = _fit_copy_head(model, builder, [rows[i] for i in train_idx], grammar, cfg, curve)
+        save_model_folder(model, out_dir, tokenizer,
+                          extra=lambda folder: save_gates(model, folder, cfg.reads))
+    else:
+        examples = [e for i in train_idx
+                    for e in trajectory_examples(builder, rows[i], grammar, window)]
+        checkpoint = checkpoints.for_output(out_dir, params, ["env", "model", "hindsight"],
+                                            [d_ct, pi_ref], run_id)
+        stats = train_sft(model, tokenizer, examples, cfg, params.model.dtype, curve,
+                          lora=cfg.lora, out_dir=out_dir, name="hindsight",
+                          extra=lambda folder: save_gates(model, folder, cfg.reads),
+                          checkpoint=checkpoint)
+        stats["examples"] = len(examples)
     curve.write_csv(loss_csv)
     gates = gate_values(model)
-    report: dict[str, Any] = {"fit": {**stats, "examples": len(examples)},
+    report: dict[str, Any] = {"fit": stats,
                               "gates": {"mean": float(gates.mean()), "max": float(gates.max()),
                                         "min": float(gates.min())}}
     if held_idx:
@@ -74,5 +102,26 @@ def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_
                              "trajectories": len(held),
                              "tokens": sum(len(x) for ep in hind for x in ep)}
     # Kept through the evaluation: a stop there resumes from the last checkpoint, not step 0.
-    checkpoints.finished(checkpoint)
+    if checkpoint is not None:
+        checkpoints.finished(checkpoint)
     return report
+
+
+def _fit_copy_head(model: torch.nn.Module, builder: PromptBuilder, rows: list[dict[str, Any]],
+                   grammar: Sequence[str], cfg: HindsightParams, curve: LossCurve
+                   ) -> dict[str, Any]:
+    """``hindsight.reads: episode``: ``pi_ref``'s features of the training rows, one pass
+    (:func:`episode_features`), then the copy head trained on them (:func:`fit_pointer`).
+    Short enough (minutes on 2 cores) to need no checkpoint."""
+    start = time.perf_counter()
+    model.to("cuda" if torch.cuda.is_available() else "cpu")
+    backbone, head = lm_parts(model, hooked=True)
+    pad = builder.tokenizer.pad_token_id if builder.tokenizer.pad_token_id is not None else 0
+    features = episode_features(backbone, builder, rows, grammar, pad)
+    # float32 for the copy head's few thousand parameters: plain AdamW keeps no master copy.
+    pointer = getattr(unwrap_hf(model), POINTER).float()
+    stats = fit_pointer(pointer, head, features, cfg, curve)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(f.token_ids) for f in features)
+    return {**stats, "backend": "torch", "world_size": 1, "seconds": seconds,
+            "tokens": tokens, "tokens_per_s": tokens / seconds}

@@ -53,6 +53,8 @@ GATES_FILE = "hindsight_gates.safetensors"
 GATE_PARAM = "hind_gate"
 READER = "hind_reader"
 POINTER = "hind_pointer"
+#: Attribute of a model :func:`load_gated` returns: the ``hindsight.reads`` it was trained for.
+READS = "hisr_hind_reads"
 #: A gate at or below this is closed: applied as :data:`SHUT`, so no token outside the block
 #: reads it at all. (A gate of -30 taken as it is still lets a query whose logit towards a
 #: block key is 30 above its others read the block: trained attention logits get there.)
@@ -349,8 +351,9 @@ def gate_values(model: nn.Module) -> torch.Tensor:
                         for m in attention_modules(model)])
 
 
-def save_gates(model: nn.Module, folder: str | Path) -> None:
-    """Write the gates (and block readers) into a model folder (next to the weights file)."""
+def save_gates(model: nn.Module, folder: str | Path, reads: str = "block") -> None:
+    """Write the gates (and block readers) into a model folder (next to the weights file);
+    ``reads``: the ``hindsight.reads`` the model was trained for, kept as metadata."""
     from safetensors.torch import save_file
 
     tensors = {"gates": gate_values(model)}
@@ -361,11 +364,12 @@ def save_gates(model: nn.Module, folder: str | Path) -> None:
     if pointer is not None:
         tensors |= {f"pointer.{k}": v.detach().float().cpu().contiguous()
                     for k, v in pointer.state_dict().items()}
-    save_file(tensors, str(Path(folder) / GATES_FILE))
+    save_file(tensors, str(Path(folder) / GATES_FILE), metadata={"reads": reads})
 
 
 def load_gated(path: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
     """A gated model folder (written with :func:`save_gates`) with its gates and readers."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     from hisr_core.agent.models import load_model
@@ -375,6 +379,8 @@ def load_gated(path: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
         raise FileNotFoundError(f"{path} has no {GATES_FILE}: not a hindsight model folder "
                                 "(rerun the hindsight stage)")
     saved = load_file(str(gates_file))
+    with safe_open(str(gates_file), "pt") as f:
+        reads = (f.metadata() or {}).get("reads", "block")
     values = saved["gates"]
     rank = saved["reader.0.down"].shape[0] if "reader.0.down" in saved else 0
     pointer = {k.removeprefix("pointer."): v for k, v in saved.items() if k.startswith("pointer.")}
@@ -392,6 +398,7 @@ def load_gated(path: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
             reader.up.weight.copy_(saved[f"reader.{i}.up"])
     if pointer:
         getattr(model, POINTER).load_state_dict(pointer)
+    setattr(model, READS, reads)
     return model
 
 

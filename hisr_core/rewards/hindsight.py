@@ -39,7 +39,7 @@ import dataclasses
 import inspect
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -52,16 +52,19 @@ from hisr_core.config import HindsightParams
 from hisr_core.rewards.credit import bootstrap_ci
 from hisr_core.rewards.gated_attention import (
     POINTER,
+    READS,
+    BlockPointer,
     block_span,
     clear_pointer_stash,
     gates_closed,
 )
-from hisr_core.train.engine import lm_parts, unwrap_hf
+from hisr_core.train.engine import lm_parts, unwrap_hf, warmup_cosine
 from hisr_core.train.scoring import (
     episode_of,
     length_batches,
     masked_logprobs,
     right_pad,
+    scoring_sequences,
     target_logprobs,
 )
 
@@ -74,21 +77,30 @@ CLOSED_CHUNK = 64
 class Window:
     """Turns kept around the masked turn k: ``past`` before it and ``future`` after it
     (``None``: all, as far as ``max_tokens`` allows); ``block_at``: the positions the block
-    reads at (``system``: where it sits; ``turn``: just before turn k's observation)."""
+    reads at (``system``: where it sits; ``turn``: just before turn k's observation);
+    ``reads``: where the copy head reads the future (``hindsight.reads``: a ``block`` in the
+    example, or the ``episode``'s own pass, :func:`episode_features`)."""
 
     past: int | None = None
     future: int | None = None
     block_at: Literal["system", "turn"] = "system"
+    reads: Literal["block", "episode"] = "block"
 
     @classmethod
     def of(cls, cfg: HindsightParams) -> Window:
         """The window of the ``hindsight`` params section."""
-        return cls(cfg.past, cfg.future, cfg.block_at)
+        return cls(cfg.past, cfg.future, cfg.block_at, cfg.reads)
 
     def bounds(self, k: int, m: int) -> tuple[int, int]:
         """First and last turn kept (inclusive) for turn k of m."""
         return (0 if self.past is None else max(0, k - self.past),
                 m - 1 if self.future is None else min(m - 1, k + self.future))
+
+
+def outcome_line(outcome: float, won: bool, final_observation: str) -> str:
+    """The hindsight text's last line: the outcome and the final observation."""
+    return (f"Outcome: {'success' if won else 'failure'} (R = {outcome:.2f}). "
+            f"Final observation: {final_observation}")
 
 
 def hindsight_block(later: Sequence[tuple[str, str]], outcome: float, won: bool,
@@ -100,8 +112,7 @@ def hindsight_block(later: Sequence[tuple[str, str]], outcome: float, won: bool,
         lines.append("Later turns:")
         for obs, resp in later:
             lines += [f"[Observation] {obs}", f"[Response] {resp}"]
-    lines.append(f"Outcome: {'success' if won else 'failure'} (R = {outcome:.2f}). "
-                 f"Final observation: {final_observation}")
+    lines.append(outcome_line(outcome, won, final_observation))
     return "\n".join(lines)
 
 
@@ -156,8 +167,16 @@ def hindsight_logprobs(model: PreTrainedModel, builder: PromptBuilder,
 
     ``route``: ``full`` scores every turn's whole example; ``auto`` does so only while some
     gate is open (or the model changes its logits after the LM head), and otherwise takes
-    :func:`closed_gate_logprobs` (the same numbers)."""
+    :func:`closed_gate_logprobs` (the same numbers). With ``window.reads: episode`` there is
+    no block: :func:`episode_logprobs`."""
+    trained_for = getattr(unwrap_hf(model), READS, window.reads)
+    if trained_for != window.reads:
+        raise ValueError(f"pi_hind was trained with hindsight.reads: {trained_for}, and the "
+                         f"params say {window.reads}: rerun the hindsight stage")
     pad = builder.tokenizer.pad_token_id if builder.tokenizer.pad_token_id is not None else 0
+    if window.reads == "episode":
+        return episode_logprobs(model, builder, rows, grammar, window.future, max_batch_tokens,
+                                progress)
     if route == "auto" and gates_closed(model) and lm_parts(model, hooked=True) is not None:
         out: list[list[torch.Tensor]] = []
         # Chunks of episodes: their hidden states are held until the copy head has read them.
@@ -268,6 +287,213 @@ def closed_gate_logprobs(model: PreTrainedModel, examples: Sequence[Sequence[Enc
             row.append(target_logprobs(logits, torch.tensor(seqs[i], device=device)[at]).cpu())
         result.append(row)
     return result
+
+
+# -- the copy head on the episode's own pass (hindsight.reads: episode) ----------------------------
+@dataclasses.dataclass(frozen=True)
+class EpisodeFeatures:
+    """``pi_ref``'s reading of one episode: all that the copy head reads with ``hindsight.reads:
+    episode``. The weights are ``pi_ref``'s, so one pass over the episode's scoring sequences
+    (:func:`~hisr_core.train.scoring.scoring_sequences`, as the policy saw them) gives both
+    the hidden states that predict each response and those of the later turns' tokens; the
+    outcome line is read in a short pass of its own.
+
+    Shape: queries [Q, d] (the final hidden states that predict each response token, turn by
+    turn: turn k's rows ``query_at[k]:query_at[k+1]``), targets [Q] long (those tokens);
+    tokens [N, d], token_ids [N] long (each turn's tokens as read in the sequence that scores
+    its response: turn j's rows ``token_at[j]:token_at[j+1]``; then the outcome line's, from
+    ``token_at[m]``); ``query_at`` and ``token_at`` have m + 1 entries."""
+
+    queries: torch.Tensor
+    targets: torch.Tensor
+    query_at: tuple[int, ...]
+    tokens: torch.Tensor
+    token_ids: torch.Tensor
+    token_at: tuple[int, ...]
+
+    @property
+    def turns(self) -> int:
+        return len(self.query_at) - 1
+
+    def turn(self, k: int, future: int | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Turn k's (queries, targets, keys, key ids): the keys are the tokens of the
+        ``future`` turns after k (``None``: all of them), then the outcome line's.
+        Shape: [M_k, d], [M_k], [S_k, d], [S_k]."""
+        m = self.turns
+        if not 0 <= k < m:
+            raise ValueError(f"turn {k} is outside an episode of {m} turns")
+        last = m - 1 if future is None else min(m - 1, k + future)
+        lo, hi, tail = self.token_at[k + 1], self.token_at[last + 1], self.token_at[m]
+        rows = slice(self.query_at[k], self.query_at[k + 1])
+        return (self.queries[rows], self.targets[rows],
+                torch.cat([self.tokens[lo:hi], self.tokens[tail:]]),
+                torch.cat([self.token_ids[lo:hi], self.token_ids[tail:]]))
+
+
+@torch.no_grad()  # not inference_mode: the copy head trains on these tensors
+def episode_features(backbone: torch.nn.Module, builder: PromptBuilder,
+                     rows: Sequence[Mapping[str, Any]], grammar: Sequence[str], pad_id: int,
+                     max_batch_tokens: int = 8192) -> list[EpisodeFeatures]:
+    """:class:`EpisodeFeatures` of ``D_ct`` / ``D_st`` rows: one backbone pass over their
+    scoring sequences and their outcome lines (each cut to ``builder.max_tokens // 2``, the
+    hindsight block's budget)."""
+    device = next(backbone.parameters()).device
+    seqs: list[list[int]] = []
+    plan: list[tuple[int, list[Encoded]]] = []  # per row: its first sequence, its encodings
+    for row in rows:
+        system, turns = episode_of(builder, row, grammar)
+        encs = scoring_sequences(builder, system, turns)
+        plan.append((len(seqs), encs))
+        seqs += [enc.input_ids for enc in encs]
+        line = outcome_line(float(row["outcome"]), bool(row["won"]), row["final_observation"])
+        seqs.append(list(builder._ids(line))[:builder.max_tokens // 2])
+    hidden: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+    for batch in length_batches([len(s) for s in seqs], max_batch_tokens):
+        ids, _ = right_pad([seqs[i] for i in batch], pad_id)
+        out = backbone(input_ids=ids.to(device), use_cache=False).last_hidden_state
+        for j, i in enumerate(batch):
+            hidden[i] = out[j, :len(seqs[i])]
+    features = []
+    for first, encs in plan:
+        m = 1 + max((k for enc in encs for k in enc.turn_ids), default=-1)
+        # Per turn: the sequence that scores its response, its tokens' and targets' positions.
+        home: dict[int, tuple[int, list[int], list[int]]] = {}
+        for s, enc in enumerate(encs):
+            spots: dict[int, tuple[list[int], list[int]]] = {}
+            for t, (k, on) in enumerate(zip(enc.turn_ids, enc.response_mask, strict=True)):
+                if k >= 0:
+                    tokens, targets = spots.setdefault(k, ([], []))
+                    tokens.append(t)
+                    if on and t > 0:
+                        targets.append(t)
+            for k, (tokens, targets) in spots.items():
+                if targets:
+                    home[k] = (first + s, tokens, targets)
+        queries, targets, tokens, token_ids = [], [], [], []
+        query_at, token_at = [0], [0]
+        for k in range(m):
+            i, at, aim = home[k]
+            ids = torch.tensor(seqs[i], device=device)
+            aim_t = torch.tensor(aim, device=device)
+            queries.append(hidden[i][aim_t - 1])
+            targets.append(ids[aim_t])
+            tokens.append(hidden[i][torch.tensor(at, device=device)])
+            token_ids.append(ids[torch.tensor(at, device=device)])
+            query_at.append(query_at[-1] + len(aim))
+            token_at.append(token_at[-1] + len(at))
+        line = first + len(encs)
+        tokens.append(hidden[line])
+        token_ids.append(torch.tensor(seqs[line], device=device))
+        features.append(EpisodeFeatures(torch.cat(queries), torch.cat(targets), tuple(query_at),
+                                        torch.cat(tokens), torch.cat(token_ids),
+                                        tuple(token_at)))
+    return features
+
+
+#: Turns whose copy-head reading :func:`pointed_logprobs` pads into one batch.
+POINTER_BATCH = 32
+
+
+def pointed_logprobs(head: torch.nn.Module, pointer: BlockPointer | None,
+                     turns: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor]]) -> list[torch.Tensor]:
+    """``log pi_hind`` of each turn's targets: the LM head's logits on its queries, plus the
+    copy head's boost of its keys' tokens (none without a copy head), the turns padded into
+    one batch. Each turn is :meth:`EpisodeFeatures.turn`'s (queries [M, d], targets [M], keys
+    [S, d], key ids [S]). Shape: → per turn (M,) float32."""
+    if not turns:
+        return []
+    device = turns[0][0].device
+    width, span = max(len(t[1]) for t in turns), max(len(t[3]) for t in turns)
+    queries = torch.zeros((len(turns), width, turns[0][0].shape[1]), device=device,
+                          dtype=turns[0][0].dtype)
+    keys = torch.zeros((len(turns), span, turns[0][0].shape[1]), device=device,
+                       dtype=turns[0][0].dtype)
+    targets = torch.zeros((len(turns), width), dtype=torch.long, device=device)
+    key_ids = torch.zeros((len(turns), span), dtype=torch.long, device=device)
+    on = torch.zeros((len(turns), width), dtype=torch.bool, device=device)
+    seen = torch.zeros((len(turns), span), dtype=torch.bool, device=device)
+    for j, (q, t, k, ids) in enumerate(turns):
+        queries[j, :len(t)], targets[j, :len(t)], on[j, :len(t)] = q, t, True
+        keys[j, :len(ids)], key_ids[j, :len(ids)], seen[j, :len(ids)] = k, ids, True
+    logits = head(queries).float()                                             # [B, M, V]
+    if pointer is not None:
+        # A padded key is seen by no query; a padded query sees no key (the null slot alone).
+        logits = pointer.point(logits, queries, keys, key_ids,
+                               on[:, :, None] & seen[:, None, :]).float()
+    logp = target_logprobs(logits[on], targets[on])
+    return list(torch.split(logp, [len(t[1]) for t in turns]))
+
+
+@torch.inference_mode()
+def episode_logprobs(model: PreTrainedModel, builder: PromptBuilder,
+                     rows: Sequence[Mapping[str, Any]], grammar: Sequence[str],
+                     future: int | None, max_batch_tokens: int = 8192,
+                     progress: str | None = None) -> list[list[torch.Tensor]]:
+    """:func:`hindsight_logprobs` with ``hindsight.reads: episode``: per row, per turn k,
+    ``log pi_hind(a_k^j)`` from ``pi_ref``'s hidden states plus the copy head over the
+    ``future`` turns after k and the outcome line (:class:`EpisodeFeatures`).
+    Shape: row → m tensors of shape (L_k,)."""
+    parts = lm_parts(model, hooked=True)
+    if parts is None:
+        raise ValueError(f"{type(model).__name__} changes its logits after the LM head: "
+                         "it cannot be read with hindsight.reads: episode")
+    backbone, head = parts
+    pointer = getattr(unwrap_hf(model), POINTER, None)
+    pad = builder.tokenizer.pad_token_id if builder.tokenizer.pad_token_id is not None else 0
+    out: list[list[torch.Tensor]] = []
+    for lo in tqdm(range(0, len(rows), CLOSED_CHUNK), desc=progress, unit="chunk",
+                   disable=progress is None, mininterval=2):
+        feats = episode_features(backbone, builder, rows[lo:lo + CLOSED_CHUNK], grammar, pad,
+                                 max_batch_tokens)
+        turns = [f.turn(k, future) for f in feats for k in range(f.turns)]
+        scores = iter([x.cpu() for i in range(0, len(turns), POINTER_BATCH)
+                       for x in pointed_logprobs(head, pointer, turns[i:i + POINTER_BATCH])])
+        out += [[next(scores) for _ in range(f.turns)] for f in feats]
+    return out
+
+
+def fit_pointer(pointer: BlockPointer, head: torch.nn.Module,
+                features: Sequence[EpisodeFeatures], cfg: HindsightParams,
+                on_log: Callable[[int, dict[str, float]], None] | None = None
+                ) -> dict[str, float]:
+    """Train the copy head alone on :class:`EpisodeFeatures` (``pi_ref`` frozen): mean token
+    NLL of the responses under :func:`pointed_logprobs`, AdamW at ``cfg.pointer_lr`` without
+    weight decay (as the block route trains it), warm-up and cosine, batches of
+    ``micro_batch_size × grad_accum`` turns drawn without replacement (seed ``cfg.seed``),
+    ``cfg.epochs`` passes or ``cfg.max_steps`` steps. Returns steps, final loss, turns."""
+    items = [(e, k) for e, f in enumerate(features) for k in range(f.turns)]
+    if not items:
+        raise ValueError("no turns to train the copy head on")
+    batch = cfg.micro_batch_size * cfg.grad_accum
+    total = max(1, math.ceil(cfg.epochs * len(items) / batch))
+    total = min(total, cfg.max_steps) if cfg.max_steps else total
+    warmup = math.ceil(cfg.warmup_ratio * total)
+    params = list(pointer.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg.pointer_lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    order: list[int] = []
+    loss = math.nan
+    for step in range(total):
+        while len(order) < batch:
+            order += torch.randperm(len(items), generator=gen).tolist()
+        chosen, order = order[:batch], order[batch:]
+        logp = torch.cat(pointed_logprobs(head, pointer, [features[items[i][0]].turn(
+            items[i][1], cfg.future) for i in chosen]))
+        nll = -logp.mean()
+        lr = cfg.pointer_lr * warmup_cosine(step, total, warmup, cfg.min_lr_ratio)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        nll.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        opt.step()
+        loss = float(nll.detach())
+        if on_log is not None and ((step + 1) % cfg.log_every == 0 or step + 1 == total):
+            on_log(step + 1, {"losses/hindsight": loss, "lr/hindsight": lr})
+    return {"steps": total, "loss": loss, "examples": len(items),
+            "response_tokens": sum(len(f.targets) for f in features)}
 
 
 # -- where the future tells the answer ------------------------------------------------------------

@@ -27,7 +27,7 @@ def _overrides() -> dict:
             "sprm": {**fit, "max_steps": 3, "micro_batch_size": 3},
             # One micro-batch a step (params.yaml: 4, four times the work of each step).
             "hindsight": {**fit, "max_steps": 30, "epochs": 100.0, "micro_batch_size": 8,
-                          "grad_accum": 1, "lr": 0.003, "future": 1},
+                          "grad_accum": 1, "future": 1},
             "rewards": {"variants": VARIANTS, "cases": 2}}
 
 

@@ -100,8 +100,18 @@ def test_wrong_type_names_key():
 
 def test_hindsight_lora_with_frozen_weights_is_refused():
     with pytest.raises(ParamsError, match=r"hindsight.*lora.*lr > 0"):
-        parse_params({"hindsight": {"lr": 0.0, "lora": {"enabled": True}}})
+        parse_params({"hindsight": {"reads": "block", "lr": 0.0, "lora": {"enabled": True}}})
     assert parse_params({"hindsight": {"lr": 0.0}}).hindsight.lr == 0.0
+
+
+@pytest.mark.parametrize("change", [{"lr": 1e-3}, {"gate_lr": 0.1}, {"reader_rank": 4},
+                                    {"lr": 1e-3, "lora": {"enabled": True}}])
+def test_reading_the_episode_refuses_what_would_train_beside_the_copy_head(change):
+    with pytest.raises(ParamsError, match=r"reads: episode.*set " + next(iter(change))):
+        parse_params({"hindsight": change})
+    assert parse_params({"hindsight": {"reads": "block", **change}}).hindsight.reads == "block"
+    with pytest.raises(ParamsError, match="pointer_rank > 0"):
+        parse_params({"hindsight": {"pointer_rank": 0}})
 
 
 def test_several_errors_reported_together():

@@ -26,14 +26,17 @@ from hisr_core.rewards.gated_attention import (
 from hisr_core.rewards.hindsight import (
     Window,
     closed_gate_logprobs,
+    episode_features,
+    fit_pointer,
     hindsight_example,
     hindsight_logprobs,
+    outcome_line,
     told_by_future,
     told_nll,
     told_turns,
     trajectory_examples,
 )
-from hisr_core.train.engine import apply_lora, freeze_weights, param_groups
+from hisr_core.train.engine import apply_lora, freeze_weights, lm_parts, param_groups
 from hisr_core.train.scoring import episode_of, masked_logprobs, turn_logprobs
 from hisr_core.train.sft import train_sft
 from tests.hisr_core.train.sft_worker import train_hindsight
@@ -228,6 +231,85 @@ def test_batched_hindsight_scores_equal_one_at_a_time(rows, tiny_dir, tokenizer,
             assert torch.allclose(got[k], want, atol=1e-5, rtol=0)
 
 
+# -- hindsight.reads: episode ------------------------------------------------------------------
+def test_episode_features_key_the_later_turns_and_the_outcome_line(rows, tiny_dir, tokenizer):
+    builder = PromptBuilder(tokenizer, None, 4096)
+    model = gated(tiny_dir, -30.0, pointer_rank=4)
+    backbone, _ = lm_parts(model, hooked=True)
+    row = rows[0]
+    [feats] = episode_features(backbone, builder, [row], GRAMMAR, 0)
+    turns, m = row["turns"], row["n_turns"]
+    assert feats.turns == m
+    line = outcome_line(float(row["outcome"]), bool(row["won"]), row["final_observation"])
+    for k in (0, m - 2, m - 1):
+        queries, targets, keys, key_ids = feats.turn(k, 1)
+        # The targets are response k as the policy generated it (text, end marker).
+        assert targets.tolist() == builder._ids(turns[k]["response"]) + builder._asst_end
+        assert queries.shape == (len(targets), model.config.hidden_size)
+        text = tokenizer.decode(key_ids.tolist())
+        assert text.endswith(line) and len(keys) == len(key_ids)
+        if k + 1 < m:  # turn k+1 alone: its observation and response, as the episode had them
+            later = text[:-len(line)]
+            assert turns[k + 1]["observation"] in later and turns[k + 1]["response"] in later
+            assert later.count("<|user|>") == 1
+        else:
+            assert text == line
+    # future None: every later turn; 0: the outcome line alone.
+    assert tokenizer.decode(feats.turn(0, None)[3].tolist()).count("<|user|>") == m - 1
+    assert tokenizer.decode(feats.turn(0, 0)[3].tolist()) == line
+    with pytest.raises(ValueError, match="outside an episode"):
+        feats.turn(m, 1)
+
+
+def test_reading_the_episode_with_a_silent_copy_head_is_pi_ref(rows, tiny_dir, tokenizer):
+    builder = PromptBuilder(tokenizer, None, 600)  # prompts that drop old turns too
+    policy = turn_logprobs(load_model(tiny_dir).eval(), builder,
+                           [episode_of(builder, r, GRAMMAR) for r in rows])
+    silent = hindsight_logprobs(gated(tiny_dir, -30.0, pointer_rank=4), builder, rows, GRAMMAR,
+                                Window(None, 2, reads="episode"), max_batch_tokens=900)
+    assert [[len(x) for x in ep] for ep in silent] == [[len(x) for x in ep] for ep in policy]
+    assert all(torch.allclose(x, y, atol=1e-5, rtol=0)
+               for ep_a, ep_b in zip(silent, policy, strict=True)
+               for x, y in zip(ep_a, ep_b, strict=True))
+
+
+def test_the_copy_head_alone_learns_to_read_the_episode(rows, tiny_dir, tokenizer, tmp_path):
+    builder = PromptBuilder(tokenizer, None, 4096)
+    model = gated(tiny_dir, -30.0, pointer_rank=4)
+    backbone, head = lm_parts(model, hooked=True)
+    pointer = model.hind_pointer
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()
+               if not n.startswith("hind_pointer.")}
+    before = {n: p.detach().clone() for n, p in pointer.named_parameters()}
+    feats = episode_features(backbone, builder, rows[:4], GRAMMAR, 0)
+    window = Window(None, 2, reads="episode")
+    start = hindsight_logprobs(model, builder, rows[:4], GRAMMAR, window)
+    logs = []
+    cfg = HindsightParams(epochs=20.0, micro_batch_size=4, grad_accum=1, log_every=5,
+                          pointer_rank=4, pointer_lr=0.01)
+    stats = fit_pointer(pointer, head, feats, cfg, lambda step, m: logs.append(step))
+    assert stats["examples"] == sum(r["n_turns"] for r in rows[:4])
+    assert stats["steps"] == math.ceil(20 * stats["examples"] / 4) and logs[-1] == stats["steps"]
+    assert all(not torch.equal(p, before[n]) for n, p in pointer.named_parameters())
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters()
+               if n in weights)
+    trained = hindsight_logprobs(model, builder, rows[:4], GRAMMAR, window)
+
+    def nll(logps):
+        return -float(torch.cat([x for ep in logps for x in ep]).mean())
+
+    assert nll(trained) < nll(start) - 0.1
+    # Saved and loaded, it scores the same; the params must say the route it was trained for.
+    save_gates(model, tmp_path, "episode")
+    model.save_pretrained(tmp_path)
+    loaded = load_gated(tmp_path).eval()
+    again = hindsight_logprobs(loaded, builder, rows[:4], GRAMMAR, window)
+    assert all(torch.allclose(x, y, atol=1e-6) for ea, eb in zip(trained, again)
+               for x, y in zip(ea, eb))
+    with pytest.raises(ValueError, match="trained with hindsight.reads: episode.*rerun"):
+        hindsight_logprobs(loaded, builder, rows[:1], GRAMMAR, Window(None, 2))
+
+
 def test_a_gate_at_minus_30_is_closed_even_for_large_attention_logits(rows, tiny_dir, tokenizer):
     """Queries and keys scaled ×30 give attention logits far beyond 30: a −30 gate added as it
     is would let the block through; closed, the targets score exactly as ``pi_ref``'s. A −19
@@ -302,7 +384,7 @@ def test_hindsight_training_smoke(rows, tiny_dir, tokenizer, tmp_path, lr):
     assert len(examples) == sum(r["n_turns"] for r in rows)
     logs = []
     # Gates that open and train (params.yaml keeps them closed), one micro-batch a step.
-    params = HindsightParams(backend="torch", max_steps=2, log_every=1, micro_batch_size=4,
+    params = HindsightParams(reads="block", backend="torch", max_steps=2, log_every=1, micro_batch_size=4,
                              grad_accum=1, epochs=0.5, lr=lr, gate_init=-4.0, gate_lr=0.1,
                              reader_rank=4, pointer_rank=4)
     model = load_model(tiny_dir)

@@ -135,8 +135,8 @@ def train_hindsight(model_dir: Path, backend: str, micro: int, steps: int) -> di
     examples = [e for r in rollout_rows(4) for e in trajectory_examples(builder, r, grammar,
                                                                         Window(2, 2))]
     # Gates that open and train (params.yaml keeps them closed).
-    params = HindsightParams(backend=backend, max_steps=steps, log_every=1, micro_batch_size=micro,
-                             grad_accum=2, epochs=0.5, lr=0.0, gate_init=-4.0, gate_lr=0.1,
+    params = HindsightParams(reads="block", backend=backend, max_steps=steps, log_every=1,
+                             micro_batch_size=micro, grad_accum=2, epochs=0.5, lr=0.0, gate_init=-4.0, gate_lr=0.1,
                              reader_rank=4, pointer_rank=4)
     model = load_model(model_dir)
     attach_gates(model, params.gate_init, params.gate_lr, params.reader_rank, params.reader_lr,

@@ -176,7 +176,7 @@ def hindsight_run(tiny_dir: Path, logs: Logs, checkpoint: Checkpoint | None
     grammar = environment_class("household").command_grammar
     examples = [e for r in rollout_rows(4) for e in trajectory_examples(builder, r, grammar,
                                                                         Window(2, 2))]
-    params = HindsightParams(backend="torch", max_steps=STEPS, epochs=10.0, log_every=1,
+    params = HindsightParams(reads="block", backend="torch", max_steps=STEPS, epochs=10.0, log_every=1,
                              micro_batch_size=2, grad_accum=1, lr=0.0, reader_rank=4,
                              pointer_rank=4, checkpoint_every_s=3600.0)
     model = load_model(tiny_dir)
