@@ -351,6 +351,52 @@ def option_table_rows(path: Path) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
+def _versus(a: dict[str, str], b: dict[str, str], key: str) -> str:
+    """How ``a``'s ``key`` compares with ``b``'s by their 95% intervals."""
+    if float(a[f"{key}_low"]) > float(b[f"{key}_high"]):
+        return "is above"
+    if float(a[f"{key}_high"]) < float(b[f"{key}_low"]):
+        return "is below"
+    return "cannot be told apart from"
+
+
+def credit_verdict(credit_csv: Path, told_json: Path | None = None) -> list[str]:
+    """The sentences under the credit table: whether ``r_him`` ranks segments better than
+    ``r_hat`` and the turn SPRM (pooled Spearman over all of ``D_st``, intervals apart or
+    not), and whether ``pi_hind`` reads the future where it tells the answer (held-out
+    ``told`` NLL difference, ``hindsight_told.json``); if either fails, that modulation does
+    not beat ``r_hat`` here."""
+    with credit_csv.open(newline="") as f:
+        rows = {r["signal"]: r for r in csv.DictReader(f) if r["scope"] == "credit"}
+    if not {"r_him", "r_hat"} <= set(rows):
+        return []
+
+    def ci(signal: str) -> str:
+        r = rows[signal]
+        return (f"{float(r['spearman']):.3f} [{float(r['spearman_low']):.3f}, "
+                f"{float(r['spearman_high']):.3f}]")
+
+    others = [s for s in ("r_hat", "turn_sprm") if s in rows]
+    verdicts = {s: _versus(rows["r_him"], rows[s], "spearman") for s in others}
+    lines = ["Spearman of `r_him` " + "; ".join(
+        f"{verdicts[s]} `{s}`'s ({ci('r_him')} vs {ci(s)})" for s in others) + "."]
+    reads = None
+    if told_json is not None and told_json.is_file():
+        told = json.loads(told_json.read_text())["heldout"]
+        delta, low, high = (told[f"told/{k}"] for k in ("delta", "delta_low", "delta_high"))
+        reads = high < 0
+        lines.append(
+            f"On held-out turns whose next observation tells the answer, `pi_hind`'s NLL minus "
+            f"`pi_ref`'s is {delta:+.5f} [{low:+.5f}, {high:+.5f}] ({delta / told['told/nll_ref']:+.2%}): "
+            + ("`pi_hind` reads the future there." if reads else
+               "`pi_hind` does not read the future measurably, so `z` carries no hindsight."))
+    if any(v != "is above" for v in verdicts.values()) or reads is False:
+        lines.append("**Modulation does not beat `r_hat` here**: at this model size the "
+                     "hindsight-modulated reward is not a better credit signal than the "
+                     "segment SPRM alone.")
+    return lines
+
+
 def _analyses(data: Path, out: Path) -> tuple[list[str], list[str]]:
     """The segment and reward analyses (Fig. 3, Fig. 4 and its table, the credit accuracy of
     each reward signal, the case tables),
@@ -381,8 +427,11 @@ def _analyses(data: Path, out: Path) -> tuple[list[str], list[str]]:
             ("credit_options.csv", option_table_rows,
              ("Credit accuracy under each combination of the reward options (chosen on the "
               "SPRM's training tasks, reported on its held-out tasks)"))):
-        if (data / "rewards" / name).is_file():
-            _add_table(md, page, title, *reader(data / "rewards" / name))
+        path = data / "rewards" / name
+        if path.is_file():
+            verdict = (credit_verdict(path, data / "rewards" / "hindsight_told.json")
+                       if name == "credit.csv" else [])
+            _add_table(md, page, title, *reader(path), note=" ".join(verdict) or None)
     cases_md, cases_html = data / "rewards" / "cases.md", data / "rewards" / "cases.html"
     if cases_md.is_file():
         text = cases_md.read_text(encoding="utf-8")

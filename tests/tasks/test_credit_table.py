@@ -4,6 +4,7 @@ report's table, on hand-made trajectories."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from hisr_core.rewards.modulation import PAPER, trajectory_rewards
 from hisr_core.segment.segmenter import Segment
-from tasks.report import credit_table_rows, option_table_rows
+from tasks.report import credit_table_rows, credit_verdict, option_table_rows
 from tasks.rewards import (
     OPTION_GRID,
     credit_metrics,
@@ -170,3 +171,33 @@ def test_shortcut_probe_by_hand():
     assert probe["spearman_won"] == pytest.approx(1.0)
     assert probe["spearman_failed"] == pytest.approx(1.0)
     assert math.isnan(shortcut_probe(ROWS[:1])["spearman_failed"])  # no failed row
+
+
+def _credit_csv(path, spans: dict[str, tuple[float, float, float]]) -> None:
+    metrics = {"credit": {f"{s}/spearman{k}": v for s, (p, lo, hi) in spans.items()
+                          for k, v in (("", p), ("_low", lo), ("_high", hi))}}
+    write_credit_csv(metrics, path)
+
+
+@pytest.mark.parametrize(("r_him", "told_high", "beats"), [
+    ((0.70, 0.66, 0.74), -0.001, True),    # above both, and pi_hind reads the future
+    ((0.62, 0.59, 0.64), -0.001, False),   # overlaps r_hat
+    ((0.70, 0.66, 0.74), 0.0002, False),   # above both, but pi_hind reads nothing
+])
+def test_the_report_says_whether_modulation_beats_r_hat(tmp_path, r_him, told_high, beats):
+    path, told = tmp_path / "credit.csv", tmp_path / "told.json"
+    _credit_csv(path, {"r_hat": (0.585, 0.560, 0.608), "r_him": r_him,
+                       "turn_sprm": (0.573, 0.545, 0.600)})
+    told.write_text(json.dumps({"heldout": {"told/delta": told_high - 0.0005,
+                                            "told/delta_low": told_high - 0.001,
+                                            "told/delta_high": told_high,
+                                            "told/nll_ref": 0.12}}))
+    text = " ".join(credit_verdict(path, told))
+    assert ("does not beat" not in text) == beats
+    word = "is above" if r_him[1] > 0.608 else "cannot be told apart from"
+    assert f"{word} `r_hat`'s" in text and "`turn_sprm`'s" in text
+    assert ("reads the future there" in text) == (told_high < 0)
+    # Without the told NLL (an older rewards stage) the Spearman intervals alone decide.
+    alone = credit_verdict(path, tmp_path / "absent.json")
+    assert not any("pi_hind" in line for line in alone)
+    assert ("does not beat" in " ".join(alone)) == (r_him[1] <= 0.608)
