@@ -29,8 +29,12 @@ def test_profiles_are_found():
 
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.name)
 def test_profile_is_an_overlay_of_params_yaml_that_validates(profile):
-    raw = yaml.safe_load(profile.read_text())
-    assert (profile.parent / raw[BASE_KEY]).resolve() == ROOT / "params.yaml"
+    chain = [profile.resolve()]  # an overlay of params.yaml, or of a profile that is one
+    while chain[-1] != ROOT / "params.yaml" and len(chain) < 4:
+        raw = yaml.safe_load(chain[-1].read_text())
+        chain.append((chain[-1].parent / raw[BASE_KEY]).resolve())
+    assert chain[-1] == ROOT / "params.yaml", chain
+    assert all(p.parent == ROOT / "profiles" for p in chain[:-1]), chain
     params = load_params(profile)
     assert isinstance(params, Params) and params != load_params(ROOT / "params.yaml")
 
