@@ -208,7 +208,8 @@ def write_report(params: Params, data: Path, out: Path) -> dict[str, Any]:
     intro = (f"Environment `{params.env.name}`, model `{params.model.name_or_path}`; PPO runs: "
              f"variants {', '.join(params.sweep.variants)} x seeds "
              f"{', '.join(map(str, params.sweep.seeds))}. Success rate in % ({decoding} episodes, "
-             f"first {params.evaluate.n_tasks or 'all'} tasks of each split); mean ± sample std "
+             + (f"first {params.evaluate.n_tasks} tasks" if params.evaluate.n_tasks
+                else "every task") + " of each split); mean ± sample std "
              "over seeds where there are several.")
     md = ["# HISR report", "", intro, ""]
     page = [f"<h1>HISR report</h1><p>{html.escape(intro)}</p>"]
