@@ -54,7 +54,8 @@ def _nll(logps: list[list[torch.Tensor]]) -> float:
 def fit_hindsight(params: Params, d_ct: Path, pi_ref: Path, out_dir: Path, loss_csv: Path,
                   run_id: str | None) -> dict[str, Any]:
     """Train ``pi_hind`` from ``pi_ref`` on the training tasks of ``D_ct`` (one example per
-    turn); save it to ``out_dir``. On held-out tasks, report the mean token NLL of the
+    turn: with ``hindsight.reads: episode`` the copy head alone, on ``pi_ref``'s features;
+    with ``block``, the block route's SFT); save it to ``out_dir``. On held-out tasks, report the mean token NLL of the
     responses under ``pi_hind`` (hindsight context) and under ``pi_ref`` (prefix context)."""
     cfg = params.hindsight
     dtype = resolve_dtype(params.model.dtype)
