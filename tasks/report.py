@@ -352,11 +352,17 @@ def option_table_rows(path: Path) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
+def _num(row: dict[str, str], key: str) -> float:
+    """A cell of a metrics CSV (empty where the metric is undefined: NaN)."""
+    return float(row[key]) if row.get(key) else math.nan
+
+
 def _versus(a: dict[str, str], b: dict[str, str], key: str) -> str:
-    """How ``a``'s ``key`` compares with ``b``'s by their 95% intervals."""
-    if float(a[f"{key}_low"]) > float(b[f"{key}_high"]):
+    """How ``a``'s ``key`` compares with ``b``'s by their 95% intervals (an undefined interval
+    tells nothing apart)."""
+    if _num(a, f"{key}_low") > _num(b, f"{key}_high"):
         return "is above"
-    if float(a[f"{key}_high"]) < float(b[f"{key}_low"]):
+    if _num(a, f"{key}_high") < _num(b, f"{key}_low"):
         return "is below"
     return "cannot be told apart from"
 
@@ -373,9 +379,9 @@ def credit_verdict(credit_csv: Path, told_json: Path | None = None) -> list[str]
         return []
 
     def ci(signal: str) -> str:
-        r = rows[signal]
-        return (f"{float(r['spearman']):.3f} [{float(r['spearman_low']):.3f}, "
-                f"{float(r['spearman_high']):.3f}]")
+        point, low, high = (_num(rows[signal], k)
+                            for k in ("spearman", "spearman_low", "spearman_high"))
+        return f"{point:.3f} [{low:.3f}, {high:.3f}]"
 
     others = [s for s in ("r_hat", "turn_sprm") if s in rows]
     verdicts = {s: _versus(rows["r_him"], rows[s], "spearman") for s in others}

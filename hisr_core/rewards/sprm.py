@@ -3,7 +3,8 @@
 A backbone initialised from ``pi_ref`` reads a segmented trajectory; the head
 ``r_i = W2 · SiLU(W1 · h_i)`` maps the last hidden state ``h_i`` at the last response token of
 segment i's last turn (its end-of-turn marker) to the segment's reward. Loss per trajectory:
-``(R - sum_i r_i)^2``.
+``(R - sum_i r_i)^2``, or the mean of it over the trajectory's prefixes (``sprm.target``,
+:func:`sprm_loss`).
 
 A trajectory is read through the same sequences the policy is scored with
 (:func:`hisr_core.train.scoring.scoring_sequences`: each turn with the context the policy had), so a
@@ -18,7 +19,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -45,9 +46,10 @@ class SegmentRewardModel(nn.Module):
     loads like any Hugging Face model; its LM head is unused.
     """
 
-    def __init__(self, lm: nn.Module, head_dim: int | None = None) -> None:
+    def __init__(self, lm: nn.Module, head_dim: int | None = None,
+                 target: Literal["sum", "prefix_sums"] = "sum") -> None:
         super().__init__()
-        self.lm = lm
+        self.lm, self.target = lm, target
         hidden = unwrap_hf(lm).config.get_text_config().hidden_size
         self.head_dim = head_dim or hidden
         self.w1 = nn.Linear(hidden, self.head_dim, bias=False)
@@ -65,11 +67,34 @@ class SegmentRewardModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
                 owner: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """``sum_b (R_b - sum_{i in b} r_i)^2``. Shape: owner [P] (trajectory of each segment
-        end), targets [B] → scalar."""
+        """``target: sum``: ``sum_b (R_b - sum_{i in b} r_i)^2``; ``prefix_sums``:
+        ``sum_b mean_{j in b} (R_b - sum_{i in b, i <= j} r_i)^2``. Shape: owner [P] (the
+        trajectory of each segment end, trajectories in order and their segments in order),
+        targets [B] → scalar."""
         r = self.rewards_at(input_ids, rows, cols)
-        sums = torch.zeros_like(targets, dtype=r.dtype).index_add(0, owner, r)
-        return ((targets.to(r.dtype) - sums) ** 2).sum()
+        return sprm_loss(r, owner, targets.to(r.dtype), self.target)
+
+
+def sprm_loss(r: torch.Tensor, owner: torch.Tensor, targets: torch.Tensor,
+              target: Literal["sum", "prefix_sums"] = "sum") -> torch.Tensor:
+    """The SPRM's loss (``sprm.target``) from the segment rewards ``r`` of a batch.
+
+    ``sum`` (the paper): each trajectory's rewards sum to its outcome. ``prefix_sums``: each
+    prefix of a trajectory (its first j segments, j = 1..n) is regressed on the outcome too.
+    By least squares ``sum_{i<=j} r_i`` then estimates the expected outcome after segment j,
+    and ``r_i`` the change segment i brings in it: a trajectory's later length, which
+    ``sum`` can read off a long failure, is no longer what the rewards fit. Each trajectory's
+    prefixes are averaged, so it weighs what it weighs under ``sum``.
+
+    Shape: r, owner [P] (segments grouped by trajectory, in order), targets [B] → scalar."""
+    if target == "sum":
+        sums = torch.zeros_like(targets).index_add(0, owner, r)
+        return ((targets - sums) ** 2).sum()
+    counts = torch.bincount(owner, minlength=targets.numel())
+    first = torch.cumsum(counts, 0) - counts                       # [B] each one's first segment
+    running = torch.cumsum(r, 0)
+    prefix = running - (running - r)[first][owner]                 # [P] sum of r up to each end
+    return (((targets[owner] - prefix) ** 2) / counts[owner]).sum()
 
 
 # -- data ------------------------------------------------------------------------------------------
@@ -170,7 +195,8 @@ def train_sprm(lm: nn.Module, tokenizer: PreTrainedTokenizerBase,
     optionally save it. ``on_log`` gets ``losses/<name>`` (squared error per trajectory);
     ``checkpoint``: resumable checkpoints (see :func:`hisr_core.train.fit.fit`)."""
     lm, info, backend = setup(lm, params, params.lora)
-    model = SegmentRewardModel(lm, params.head_dim)  # after setup: the head follows the seed
+    # After setup: the head follows the seed.
+    model = SegmentRewardModel(lm, params.head_dim, params.target)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     engine, stats = fit(model, model, [t.n_tokens for t in trajectories],
                         lambda idx: collate([trajectories[i] for i in idx], pad_id), params, info,

@@ -201,3 +201,12 @@ def test_the_report_says_whether_modulation_beats_r_hat(tmp_path, r_him, told_hi
     alone = credit_verdict(path, tmp_path / "absent.json")
     assert not any("pi_hind" in line for line in alone)
     assert ("does not beat" in " ".join(alone)) == (r_him[1] <= 0.608)
+
+
+def test_the_verdict_of_a_table_without_intervals_tells_nothing_apart(tmp_path):
+    """A tiny run: too few trajectories for a bootstrap interval (empty cells)."""
+    path = tmp_path / "credit.csv"
+    _credit_csv(path, {"r_hat": (0.5, math.nan, math.nan), "r_him": (0.9, math.nan, math.nan)})
+    text = " ".join(credit_verdict(path))
+    assert "cannot be told apart from `r_hat`'s (0.900 [nan, nan] vs 0.500 [nan, nan])" in text
+    assert "does not beat" in text

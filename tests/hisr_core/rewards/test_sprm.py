@@ -17,6 +17,7 @@ from hisr_core.rewards.sprm import (
     evaluate,
     load_sprm,
     pearson,
+    sprm_loss,
     train_sprm,
     turn_rewards,
 )
@@ -77,10 +78,30 @@ def test_loss_is_the_squared_error_of_the_segment_sum(rows, tiny_dir, tokenizer)
                for t, r in zip(trajs, per_turn, strict=True))
     assert loss == pytest.approx(want, rel=1e-5, abs=1e-6)
     assert batch.n_units == 4
+    model.target = "prefix_sums"
+    with torch.no_grad():
+        prefix_loss = float(model(**batch.inputs()))
+    want = sum(float(((t.outcome - torch.cumsum(r[t.seg_ends], 0)) ** 2).mean())
+               for t, r in zip(trajs, per_turn, strict=True))
+    assert prefix_loss == pytest.approx(want, rel=1e-5, abs=1e-6)
     # Batching does not change a reward: one trajectory per pass gives the same numbers.
     alone = [turn_rewards(model, [t], tokenizer.pad_token_id)[0] for t in trajs]
     for a, b in zip(alone, per_turn, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_the_prefix_target_regresses_every_prefix_sum_on_the_outcome():
+    # Trajectory 0: rewards 0.5, 0.2 and R = 1; trajectory 1: 1.0, -0.3, 0.1 and R = 0.
+    r = torch.tensor([0.5, 0.2, 1.0, -0.3, 0.1])
+    owner, targets = torch.tensor([0, 0, 1, 1, 1]), torch.tensor([1.0, 0.0])
+    # sum: (1 - 0.7)^2 + (0 - 0.8)^2.
+    assert float(sprm_loss(r, owner, targets, "sum")) == pytest.approx(0.09 + 0.64)
+    # Prefix sums 0.5, 0.7 and 1.0, 0.7, 0.8: (0.25 + 0.09) / 2 + (1 + 0.49 + 0.64) / 3.
+    assert float(sprm_loss(r, owner, targets, "prefix_sums")) == \
+        pytest.approx(0.34 / 2 + 2.13 / 3)
+    # One segment: the two targets agree.
+    one = torch.tensor([0.4]), torch.tensor([0]), torch.tensor([1.0])
+    assert float(sprm_loss(*one, "sum")) == float(sprm_loss(*one, "prefix_sums"))
 
 
 def test_training_logs_finite_losses_changes_the_head_and_saves(rows, tiny_dir, tokenizer,
