@@ -211,11 +211,12 @@ class SprmParams(FitParams):
     holdout: float = Field(0.2, ge=0.0, lt=1.0)
     """Share of tasks held out (all samples of a task go together) for MSE and Pearson r."""
 
-    target: Literal["sum", "prefix_sums"] = "sum"
-    """What the rewards regress on each trajectory: ``sum``, the paper's ``(R - sum_i r_i)^2``;
-    ``prefix_sums``, the mean over its segment ends j of ``(R - sum_{i<=j} r_i)^2``, so that
-    ``sum_{i<=j} r_i`` estimates the chance of success after segment j and ``r_i`` is the
-    change segment i brings (a trajectory's length then tells nothing its prefix does not)."""
+    target: Literal["sum", "prefix_sums"] = "prefix_sums"
+    """What the segment model's rewards regress on each trajectory: ``sum``, the paper's
+    ``(R - sum_i r_i)^2``; ``prefix_sums``, the mean over its segment ends j of
+    ``(R - sum_{i<=j} r_i)^2``, so that ``sum_{i<=j} r_i`` estimates the chance of success
+    after segment j and ``r_i`` is the change segment i brings (a trajectory's length then
+    tells nothing its prefix does not). The turn model keeps SPA-RL's ``sum``."""
 
     lora: LoraParams = Field(default_factory=LoraParams)
     """LoRA adapters on the backbone instead of full fine-tuning (the head is always trained)."""

@@ -55,7 +55,10 @@ def fit_sprm(params: Params, d_st: Path, pi_ref: Path, out_dir: Path, loss_csv: 
     curve = LossCurve(name, run_id)
     checkpoint = checkpoints.for_output(out_dir, params, ["env", "segment", "model", "sprm"],
                                         [d_st, pi_ref], run_id, turn_level=turn_level)
-    model, stats = train_sprm(lm, tokenizer, [trajectories[i] for i in train_idx], cfg,
+    # The turn model is SPA-RL's progress model, with its loss: sprm.target is the segment
+    # model's (docs/method.md, sprm).
+    fit_cfg = cfg.model_copy(update={"target": "sum"}) if turn_level else cfg
+    model, stats = train_sprm(lm, tokenizer, [trajectories[i] for i in train_idx], fit_cfg,
                               params.model.dtype, curve, out_dir=out_dir, name=name,
                               checkpoint=checkpoint)
     curve.write_csv(loss_csv)

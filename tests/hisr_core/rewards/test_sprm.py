@@ -142,19 +142,21 @@ def test_lora_trains_adapters_and_head_only_and_saves_merged(rows, tiny_dir, tok
         assert torch.allclose(a, b, atol=1e-5)
 
 
-def test_a_small_run_fits_its_trajectories(rows, tiny_dir, tokenizer):
+@pytest.mark.parametrize(("target", "least_r"), [("sum", 0.8), ("prefix_sums", 0.6)])
+def test_a_small_run_fits_its_trajectories(rows, tiny_dir, tokenizer, target, least_r):
     """The fit works end to end: on the trajectories it was trained on, the predicted sums
-    follow R (Pearson r >= 0.8) and the MSE falls below the variance of R."""
+    follow R and the MSE falls below the variance of R (less closely with ``prefix_sums``,
+    whose loss fits every prefix, not only the whole)."""
     trajs = encode_rows(rows, PromptBuilder(tokenizer, None, 4096), "household")
     pad = tokenizer.pad_token_id
     model = SegmentRewardModel(load_model(tiny_dir))
     start = evaluate(model, trajs, pad)
     model, _ = train_sprm(load_model(tiny_dir), tokenizer, trajs,
-                          _params(epochs=1000, max_steps=60, micro_batch_size=4), "float32",
-                          progress=False)
+                          _params(epochs=1000, max_steps=60, micro_batch_size=4, target=target),
+                          "float32", progress=False)
     end = evaluate(model, trajs, pad)
     outcomes = torch.tensor([t.outcome for t in trajs])
-    assert end["pearson"] >= 0.8, (start, end)
+    assert end["pearson"] >= least_r, (start, end)
     assert end["mse"] < float(outcomes.var(unbiased=False)) < start["mse"] + 1
 
 
