@@ -160,6 +160,7 @@ def test_dvc_repro_end_to_end(repo):
     report = (copy / "data" / "report" / "report.md").read_text()
     assert "## Success rate, valid_seen" in report
     assert "## Credit accuracy against the oracle" in report and "| credit | r_him |" in report
+    assert "Spearman of `r_him` " in report and "`pi_hind`'s NLL minus `pi_ref`'s" in report
     assert "## Learning against the start (training draws)" in report
     assert (copy / "data" / "report" / "learning.png").stat().st_size > 1000
     assert all(f"| {p} |" in report for p in ["sft", *VARIANTS])
