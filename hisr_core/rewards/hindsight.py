@@ -192,6 +192,16 @@ def hindsight_logprobs(model: PreTrainedModel, builder: PromptBuilder,
     return [[next(scores) for _ in ex] for ex in examples]
 
 
+def _head_parts(model: torch.nn.Module, remedy: str
+                ) -> tuple[torch.nn.Module, torch.nn.Module, BlockPointer | None]:
+    """(backbone, LM head, copy head or ``None``) of ``pi_hind``; ``remedy`` ends the error
+    for a model that changes its logits after the LM head."""
+    parts = lm_parts(model, hooked=True)
+    if parts is None:
+        raise ValueError(f"{type(model).__name__} changes its logits after the LM head: {remedy}")
+    return *parts, getattr(unwrap_hf(model), POINTER, None)
+
+
 @torch.inference_mode()
 def closed_gate_logprobs(model: PreTrainedModel, examples: Sequence[Sequence[Encoded]],
                          pad_id: int, max_batch_tokens: int = 8192) -> list[list[torch.Tensor]]:
@@ -209,12 +219,7 @@ def closed_gate_logprobs(model: PreTrainedModel, examples: Sequence[Sequence[Enc
 
     Shape: per row, per turn k, an example with block ``(start, end, at)`` → (M_k,) float32,
     M_k its masked-in tokens."""
-    parts = lm_parts(model, hooked=True)
-    if parts is None:
-        raise ValueError(f"{type(model).__name__} changes its logits after the LM head: "
-                         "score it with route='full'")
-    backbone, head = parts
-    pointer = getattr(unwrap_hf(model), POINTER, None)
+    backbone, head, pointer = _head_parts(model, "score it with route='full'")
     device = next(model.parameters()).device
     seqs: list[list[int]] = []
     # Per row, per turn: (its plain sequence, the positions of its targets there).
@@ -435,12 +440,7 @@ def episode_logprobs(model: PreTrainedModel, builder: PromptBuilder,
     ``log pi_hind(a_k^j)`` from ``pi_ref``'s hidden states plus the copy head over the
     ``future`` turns after k and the outcome line (:class:`EpisodeFeatures`).
     Shape: row → m tensors of shape (L_k,)."""
-    parts = lm_parts(model, hooked=True)
-    if parts is None:
-        raise ValueError(f"{type(model).__name__} changes its logits after the LM head: "
-                         "it cannot be read with hindsight.reads: episode")
-    backbone, head = parts
-    pointer = getattr(unwrap_hf(model), POINTER, None)
+    backbone, head, pointer = _head_parts(model, "it cannot be read with hindsight.reads: episode")
     pad = builder.tokenizer.pad_token_id if builder.tokenizer.pad_token_id is not None else 0
     out: list[list[torch.Tensor]] = []
     for lo in tqdm(range(0, len(rows), CLOSED_CHUNK), desc=progress, unit="chunk",
