@@ -20,28 +20,11 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 from pathlib import Path
 
 from _emit import emit  # benchmarks/, on the path when a benchmark runs as a script
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def matmul_flops(threads: int, n: int = 1536, repeats: int = 20) -> float:
-    """The machine's float32 matmul FLOP/s (best of ``repeats``)."""
-    import torch
-
-    torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    for _ in range(3):
-        a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n ** 3 / best
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     from hisr_core.config import load_params
     from hisr_core.rl.loop import Learner, needs, run_iteration, setup
     from hisr_core.train.engine import unwrap_hf
+    from hisr_core.train.flops import matmul_flops
     from tasks.ppo import _frozen, _inputs
 
     torch.set_num_threads(args.threads)

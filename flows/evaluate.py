@@ -3,7 +3,8 @@
 
     python -m flows.evaluate --model data/sft/pi_ref --name sft [--params params.yaml] [--data data]
 
-Writes ``<data>/eval/<name>/episodes/<split>.parquet`` (the episodes, for inspection) and
+Writes ``<data>/eval/<name>/episodes/<split>.parquet`` (the episodes, for inspection),
+``<data>/eval/<name>/outcomes.csv`` (each task's outcome, for the report's paired comparisons) and
 ``<data>/eval/<name>/metrics.json``; logs ``eval/<split>/success/<TYPE>`` to MLflow; prints a
 Table-1-style row per split.
 """
@@ -22,7 +23,7 @@ from tasks.tracking import log_metrics
 @flow(name="evaluate", log_prints=True, flow_run_name=run_name("evaluate/{name}"))
 def evaluate_flow(model: Path, name: str, params_path: Path = Path("params.yaml"),
                   data: Path = Path("data"), tags: dict[str, str] | None = None) -> dict:
-    from tasks.evaluate import evaluate_split, table_row, task_types
+    from tasks.evaluate import OUTCOMES_FILE, evaluate_split, table_row, task_types, write_outcomes
 
     params = load_or_exit(params_path, checks(model))
     types = task_types(params.env.name)
@@ -36,6 +37,9 @@ def evaluate_flow(model: Path, name: str, params_path: Path = Path("params.yaml"
                                    data / "eval" / name / "episodes" / f"{split}.parquet", name)
             metrics[split] = table
             print(table_row(name, split, table, types))
+        folder = data / "eval" / name
+        write_outcomes([folder / "episodes" / f"{s}.parquet" for s in params.evaluate.splits],
+                       folder / OUTCOMES_FILE)
         log_metrics({"eval": metrics}, data / "eval" / name / "metrics.json")
     header = "| policy | split | " + " | ".join([*types, "Avg"]) + " |"
     print("\n".join([header, "|---" * (len(types) + 3) + "|",

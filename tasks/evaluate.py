@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,13 @@ from hisr_core.config import Params
 from hisr_core.envs import Task, environment_class, make_environment
 from hisr_core.rollout.engine import Sampling, success_table
 from tasks.caching import cached_task
+from tasks.files import write_csv
 from tasks.rollout import open_generator, play_with_progress
+
+#: Per-task outcomes of an evaluation, beside its metrics: small enough for git, so a report's
+#: paired comparisons need no DVC cache (a study's runs span machines and sessions).
+OUTCOMES_FILE = "outcomes.csv"
+OUTCOME_COLUMNS = ["split", "task_id", "won", "score", "n_turns"]
 
 
 def task_types(env_name: str) -> list[str]:
@@ -44,3 +52,27 @@ def table_row(policy: str, split: str, table: dict[str, Any], task_types: list[s
     """A Table-1-style markdown row: success % per task type and the average."""
     cells = [f"{100 * table['success'][t]:.1f}" for t in [*task_types, "all"]]
     return f"| {policy} | {split} | " + " | ".join(cells) + " |"
+
+
+def write_outcomes(episodes: Sequence[Path], out: Path) -> None:
+    """One row per episode of each split's episodes file (``<split>.parquet``): the columns
+    of ``OUTCOME_COLUMNS``, in file then task order."""
+    rows: list[list[Any]] = [OUTCOME_COLUMNS]
+    for path in episodes:
+        rows += [[path.stem, r["task_id"], int(bool(r["won"])), f"{float(r['score']):.6g}",
+                  int(r["n_turns"])] for r in contracts.read_rows(path, "episodes")]
+    write_csv(out, rows)
+
+
+def read_outcomes(path: Path) -> dict[str, dict[str, float]]:
+    """split → task id → 1.0 (won) / 0.0, from a file :func:`write_outcomes` wrote."""
+    out: dict[str, dict[str, float]] = {}
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = set(OUTCOME_COLUMNS) - set(reader.fieldnames or [])
+        if missing:
+            raise ValueError(f"{path}: no column {min(missing)!r}; expected "
+                             f"{OUTCOME_COLUMNS}")
+        for r in reader:
+            out.setdefault(r["split"], {})[r["task_id"]] = float(r["won"])
+    return out

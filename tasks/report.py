@@ -31,7 +31,7 @@ from hisr_core.report import (
     success_interval,
     success_table,
 )
-from tasks.evaluate import task_types
+from tasks.evaluate import OUTCOMES_FILE, read_outcomes, task_types
 from tasks.files import save_figure, write_csv, write_text
 
 #: Curve columns plotted (``curve.csv`` of a PPO run), with their axis labels.
@@ -60,11 +60,26 @@ def _read_curve(path: Path) -> list[dict[str, float]]:
                 for row in csv.DictReader(f)]
 
 
+def _outcomes(folder: Path) -> dict[str, dict[str, float]]:
+    """split → task id → outcome of one evaluation: its ``outcomes.csv`` (tracked in git), or
+    else its episodes (in DVC's cache, from before that file was written)."""
+    if (folder / OUTCOMES_FILE).is_file():
+        return read_outcomes(folder / OUTCOMES_FILE)
+    return {episodes.stem: {r["task_id"]: float(r["won"])
+                            for r in contracts.read_rows(episodes, "episodes")}
+            for episodes in sorted((folder / "episodes").glob("*.parquet"))}
+
+
 def gather(params: Params, data: Path) -> Inputs:
     """Every evaluation and curve of ``sft`` and the sweep (``sweep.variants`` x
     ``sweep.seeds``); fails, naming the stage to run, when there is no evaluation at all."""
     found = Inputs()
-    runs = [("sft", None)] + [(v, s) for v in params.sweep.variants for s in params.sweep.seeds]
+    # ``sft`` once, or once per seed where each seed has its own copy (the study: a seed's
+    # variants are paired with the evaluation of the pi_ref they started from).
+    sft_seeds = [s for s in params.sweep.seeds
+                 if (data / "eval" / "sft" / f"seed{s}" / "metrics.json").is_file()]
+    runs = ([("sft", s) for s in sft_seeds] if sft_seeds else [("sft", None)]) + \
+        [(v, s) for v in params.sweep.variants for s in params.sweep.seeds]
     for policy, seed in runs:
         name = policy if seed is None else f"{policy}/seed{seed}"
         metrics = data / "eval" / name / "metrics.json"
@@ -72,11 +87,10 @@ def gather(params: Params, data: Path) -> Inputs:
             found.evaluations.setdefault(policy, []).append(json.loads(metrics.read_text())["eval"])
         else:
             found.missing.append(f"evaluate {name}")
-        for episodes in sorted((data / "eval" / name / "episodes").glob("*.parquet")):
-            won = {r["task_id"]: float(r["won"]) for r in contracts.read_rows(episodes, "episodes")}
-            found.outcomes.setdefault(policy, {}).setdefault(episodes.stem, []).append(won)
+        for split, won in _outcomes(data / "eval" / name).items():
+            found.outcomes.setdefault(policy, {}).setdefault(split, []).append(won)
         curve = data / "ppo" / policy / f"seed{seed}" / "curve.csv"
-        if seed is not None and curve.is_file():
+        if seed is not None and policy != "sft" and curve.is_file():  # sft's: start curves
             rows = _read_curve(curve)
             if rows and "rollout_success" in rows[0]:  # rft's curve is a loss curve
                 found.curves.setdefault(policy, {})[seed] = rows
