@@ -166,6 +166,11 @@ def test_dvc_repro_end_to_end(repo):
     assert all(f"| {p} |" in report for p in ["sft", *VARIANTS])
     assert (copy / "data" / "report" / "report.html").read_text().startswith("<!doctype html>")
     assert (copy / "data" / "report" / "curves.png").stat().st_size > 1000
+    # Each evaluation keeps its per-task outcomes for git; the paired comparisons read them.
+    for policy in ("sft", *(f"{v}/seed0" for v in VARIANTS)):
+        lines = (copy / "data" / "eval" / policy / "outcomes.csv").read_text().splitlines()
+        assert lines[0] == "split,task_id,won,score,n_turns" and len(lines) > 2, policy
+    assert "## Paired comparisons, valid_seen" in report and "| vs sft |" in report
 
     # Every stage a completed flow run on the Prefect server.
     runs = _flow_runs_since(env, since)
