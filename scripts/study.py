@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from hisr_core.config import load_params
 from hisr_core.train.flops import matmul_flops
 from tasks.study import (
+    NO_KERNEL_SLOWER,
     REFERENCE_GFLOPS,
     UPSTREAM,
     Piece,
@@ -116,8 +117,13 @@ def main() -> None:
         run(python("flows.report"))
         return
     def slower() -> float:
-        """This machine's minutes per minute of the estimates' (measured on an idle machine)."""
-        return REFERENCE_GFLOPS * 1e9 / matmul_flops(2)
+        """This machine's minutes per minute of the estimates' (measured on an idle machine):
+        the matmul rates' ratio, times ``NO_KERNEL_SLOWER`` where generation cannot use the
+        CPU decode kernel (the estimates' machine did)."""
+        from hisr_core.rollout.cpu.decode_attention import kernel
+
+        return (REFERENCE_GFLOPS * 1e9 / matmul_flops(2)
+                * (1.0 if kernel() is not None else NO_KERNEL_SLOWER))
 
     if args.list:
         factor = slower()

@@ -32,6 +32,10 @@ UPSTREAM_MODELS = ("sft/pi_ref", "sprm/model", "sprm/turn_model", "hindsight/pi_
 MINUTES = {"sft": 1, "start_curve": 12, "evaluate": 5,
            "ppo": {"ppo": 45, "grpo": 35, "no_both": 65, "hisr": 60}}
 REFERENCE_GFLOPS = 334.5
+#: How much longer than the matmul ratio says a piece takes where generation falls back to
+#: SDPA (no AVX-512): a PPO iteration took 2.69x the reference's on an AMD EPYC whose matmul
+#: rate is 1.85x lower (benchmarks/results/ppo_iteration_before_after.json).
+NO_KERNEL_SLOWER = 1.45
 
 
 @dataclasses.dataclass(frozen=True)
