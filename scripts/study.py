@@ -83,6 +83,16 @@ def link_upstream() -> None:
             link.symlink_to(Path("..") / name, target_is_directory=True)
 
 
+def slower() -> float:
+    """This machine's minutes per minute of the estimates' (on an idle machine): the matmul
+    rates' ratio, times ``NO_KERNEL_SLOWER`` where generation cannot use the CPU decode kernel
+    (the estimates' machine did)."""
+    from hisr_core.rollout.cpu.decode_attention import kernel
+
+    return (REFERENCE_GFLOPS * 1e9 / matmul_flops(2)
+            * (1.0 if kernel() is not None else NO_KERNEL_SLOWER))
+
+
 def run_piece(piece: Piece) -> None:
     seed, v = str(piece.seed), piece.variant
     if piece.kind == "sft":
@@ -116,15 +126,6 @@ def main() -> None:
         link_upstream()
         run(python("flows.report"))
         return
-    def slower() -> float:
-        """This machine's minutes per minute of the estimates' (measured on an idle machine):
-        the matmul rates' ratio, times ``NO_KERNEL_SLOWER`` where generation cannot use the
-        CPU decode kernel (the estimates' machine did)."""
-        from hisr_core.rollout.cpu.decode_attention import kernel
-
-        return (REFERENCE_GFLOPS * 1e9 / matmul_flops(2)
-                * (1.0 if kernel() is not None else NO_KERNEL_SLOWER))
-
     if args.list:
         factor = slower()
         for p in todo:
@@ -146,22 +147,25 @@ def main() -> None:
           f"{len(ready)} pieces to run, {len(plan)} fit in {left:.0f} min: "
           + (", ".join(p.name for p in plan) or "none"), flush=True)
     finished: list[Piece] = []
-    for piece in plan:
-        left = args.hours * 60 - (time.monotonic() - start) / 60
-        if piece.minutes(factor) > left:
-            print(f"stopping before {piece.name}: ~{piece.minutes(factor):.0f} min, "
-                  f"{left:.0f} left")
-            break
-        record_seed(STUDY, piece.seed, {"upstream": upstream, "cpu": cpu(), "commit": commit(),
-                                        "started": datetime.now(UTC).isoformat("T", "seconds")})
-        t0 = time.monotonic()
-        run_piece(piece)
-        print(f"done: {piece.name} in {(time.monotonic() - t0) / 60:.1f} min", flush=True)
-        finished.append(piece)
-    files = sorted({f"{STUDY}/seed{p.seed}.json" for p in finished}
-                   | {f"{STUDY}/{f}" for p in finished for f in p.files})
-    print(json.dumps({"finished": [p.name for p in finished], "commit": files}, indent=1))
-
+    try:
+        for piece in plan:
+            left = args.hours * 60 - (time.monotonic() - start) / 60
+            # A run's evaluation always follows it: a run without one compares nothing.
+            if piece.kind != "evaluate" and piece.minutes(factor) > left:
+                print(f"stopping before {piece.name}: ~{piece.minutes(factor):.0f} min, "
+                      f"{left:.0f} left")
+                break
+            record_seed(STUDY, piece.seed, {
+                "upstream": upstream, "cpu": cpu(), "commit": commit(),
+                "started": datetime.now(UTC).isoformat("T", "seconds")})
+            t0 = time.monotonic()
+            run_piece(piece)
+            print(f"done: {piece.name} in {(time.monotonic() - t0) / 60:.1f} min", flush=True)
+            finished.append(piece)
+    finally:  # also when a piece fails or is stopped: what finished is worth committing
+        files = sorted({f"{STUDY}/seed{p.seed}.json" for p in finished}
+                       | {f"{STUDY}/{f}" for p in finished for f in p.files})
+        print(json.dumps({"finished": [p.name for p in finished], "commit": files}, indent=1))
 
 if __name__ == "__main__":
     main()
