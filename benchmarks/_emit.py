@@ -11,6 +11,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from hisr_core.train.flops import cpu_name
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,16 +25,6 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def provenance() -> dict[str, Any]:
     """Where and with what a figure was measured: the commit (``dirty`` when the working tree
     had changes), the UTC time, the CPU, its cores, the GPU if any, and library versions."""
@@ -42,7 +34,7 @@ def provenance() -> dict[str, Any]:
     out: dict[str, Any] = {
         "commit": _git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version(),
+        "cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -30,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hisr_core.config import load_params
-from hisr_core.train.flops import matmul_flops
+from hisr_core.train.flops import cpu_name, matmul_flops
 from tasks.study import (
     NO_KERNEL_SLOWER,
     REFERENCE_GFLOPS,
@@ -54,16 +53,6 @@ def run(cmd: list[str]) -> None:
 
 def python(module: str, *args: str) -> list[str]:
     return ["scripts/python", "-m", module, *args, "--params", str(PROFILE), "--data", str(STUDY)]
-
-
-def cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def commit() -> str:
@@ -156,7 +145,7 @@ def main() -> None:
                       f"{left:.0f} left")
                 break
             record_seed(STUDY, piece.seed, {
-                "upstream": upstream, "cpu": cpu(), "commit": commit(),
+                "upstream": upstream, "cpu": cpu_name(), "commit": commit(),
                 "started": datetime.now(UTC).isoformat("T", "seconds")})
             t0 = time.monotonic()
             run_piece(piece)

@@ -1,9 +1,23 @@
-"""The machine's dense float32 matmul rate: the peak that MFU is measured against, and the
-yardstick that scales wall-time estimates measured on another machine."""
+"""The machine at hand: its CPU's name, and its dense float32 matmul rate (the peak that MFU is
+measured against, and the yardstick that scales wall-time estimates measured on another
+machine)."""
 
 from __future__ import annotations
 
+import platform
 import time
+from pathlib import Path
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def matmul_flops(threads: int, n: int = 1536, repeats: int = 20) -> float:
