@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from hisr_core.train.flops import cpu_name
+from hisr_core.hardware import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 

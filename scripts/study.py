@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hisr_core.config import load_params
-from hisr_core.train.flops import cpu_name, matmul_flops
+from hisr_core.hardware import cpu_name, matmul_flops
 from tasks.study import (
     NO_KERNEL_SLOWER,
     REFERENCE_GFLOPS,
