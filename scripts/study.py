@@ -9,8 +9,10 @@ do when they are current), whose folders are linked into data/study. Then, in th
 order (docs/results.md), the pieces still missing: for each seed, its copy of `sft`'s
 evaluation, each variant's PPO run and evaluation, and the start curve. A piece is started only
 if its estimate fits in what is left of `--hours`. A stopped PPO run resumes from its
-checkpoint when the same command runs again on the same machine. Commit the files it lists at
-the end (`git add` them): they are all the study keeps.
+checkpoint when the same command runs again on the same machine; so when the next piece is a PPO
+run too long for what is left (on a slow machine a run can be longer than a session), it runs
+until the budget is spent and stops at a checkpoint, and a later call on this machine finishes
+it. Commit the files it lists at the end (`git add` them): they are all the study keeps.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 from hisr_core.config import load_params
 from hisr_core.hardware import cpu_name, matmul_flops
+from hisr_core.train.checkpoint import read_meta
+from tasks.ppo import run_dirs
 from tasks.study import (
     NO_KERNEL_SLOWER,
     REFERENCE_GFLOPS,
@@ -39,6 +44,7 @@ from tasks.study import (
     pieces,
     record_seed,
     runnable,
+    to_split,
     upstream_fingerprint,
 )
 
@@ -46,9 +52,21 @@ PROFILE = Path("profiles/study.yaml")
 DATA, STUDY = Path("data"), Path("data/study")
 
 
-def run(cmd: list[str]) -> None:
+def run(cmd: list[str], until: float | None = None) -> bool:
+    """Run ``cmd``; at ``until`` (``time.monotonic()``) send it SIGTERM, on which a PPO run
+    finishes its iteration, writes a checkpoint and exits. True when it ended by itself."""
     print("+ " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    try:
+        proc.wait(None if until is None else max(0.0, until - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        print("time is up: stopping it at its next checkpoint", flush=True)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait()
+        return False
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+    return True
 
 
 def python(module: str, *args: str) -> list[str]:
@@ -82,7 +100,18 @@ def slower() -> float:
             * (1.0 if kernel() is not None else NO_KERNEL_SLOWER))
 
 
-def run_piece(piece: Piece) -> None:
+def ppo_done(todo: list[Piece], iterations: int) -> dict[str, float]:
+    """The share of its iterations each started PPO run has behind it (its checkpoint's)."""
+    out = {}
+    for p in todo:
+        meta = read_meta(run_dirs(STUDY, p.variant, p.seed)[1]) if p.kind == "ppo" else None
+        if meta:
+            out[p.name] = min(1.0, meta["iteration"] / iterations)
+    return out
+
+
+def run_piece(piece: Piece, until: float | None = None) -> bool:
+    """Run one piece (a PPO run: stopped at ``until``); True when it finished."""
     seed, v = str(piece.seed), piece.variant
     if piece.kind == "sft":
         # The same model, tasks and evaluation keys as evaluate_sft (the profile changes none).
@@ -91,12 +120,13 @@ def run_piece(piece: Piece) -> None:
         for name in ("metrics.json", "outcomes.csv"):
             shutil.copyfile(ROOT / DATA / "eval" / "sft" / name, dst / name)
     elif piece.kind == "ppo":
-        run(python("flows.ppo", "--variant", v, "--seed", seed))
+        return run(python("flows.ppo", "--variant", v, "--seed", seed), until)
     elif piece.kind == "evaluate":
         run(python("flows.evaluate", "--model", f"{STUDY}/ppo/{v}/seed{seed}/models/policy",
                    "--name", f"{v}/seed{seed}", "--tag", f"variant={v}", "--tag", f"seed={seed}"))
     else:
         run(python("flows.start_curve", "--seed", seed))
+    return True
 
 
 def main() -> None:
@@ -115,11 +145,13 @@ def main() -> None:
         link_upstream()
         run(python("flows.report"))
         return
+    done = ppo_done(todo, params.ppo.iterations)
     if args.list:
         factor = slower()
         for p in todo:
-            print(f"{'done' if p.done(STUDY) else 'todo'}  {p.name:<22} "
-                  f"~{p.minutes(factor):.0f} min")
+            state = "done" if p.done(STUDY) else (f"{done[p.name]:4.0%}" if p.name in done
+                                                   else "todo")
+            print(f"{state}  {p.name:<22} ~{p.minutes(factor, done.get(p.name, 0.0)):.0f} min")
         return
     start = time.monotonic()
     run([".venv/bin/dvc" if Path(".venv/bin/dvc").exists() else "dvc", "repro",
@@ -130,31 +162,45 @@ def main() -> None:
     ready, skipped = runnable(todo, STUDY, upstream)
     for why in skipped:
         print(f"skipped: {why}")
-    left = args.hours * 60 - (time.monotonic() - start) / 60
-    plan = fit(ready, left, factor)
+    end = start + args.hours * 3600
+    left = (end - time.monotonic()) / 60
+    plan = fit(ready, left, factor, done)
+    split = to_split(ready, plan, left, factor, done)
     print(f"upstream {upstream}; this machine ~{factor:.2f}x the estimates' time; "
           f"{len(ready)} pieces to run, {len(plan)} fit in {left:.0f} min: "
-          + (", ".join(p.name for p in plan) or "none"), flush=True)
+          + (", ".join(p.name for p in plan) or "none")
+          + (f"; then {split.name} until the time is up" if split else ""), flush=True)
+    if split is not None:
+        # Its evaluation runs when it finishes within the budget; else a later call resumes it.
+        plan += ready[len(plan):len(plan) + 2]
     finished: list[Piece] = []
     try:
         for piece in plan:
-            left = args.hours * 60 - (time.monotonic() - start) / 60
+            estimate = piece.minutes(factor, done.get(piece.name, 0.0))
+            left = (end - time.monotonic()) / 60
             # A run's evaluation always follows it: a run without one compares nothing.
-            if piece.kind != "evaluate" and piece.minutes(factor) > left:
-                print(f"stopping before {piece.name}: ~{piece.minutes(factor):.0f} min, "
-                      f"{left:.0f} left")
+            if piece is not split and piece.kind != "evaluate" and estimate > left:
+                print(f"stopping before {piece.name}: ~{estimate:.0f} min, {left:.0f} left")
                 break
             record_seed(STUDY, piece.seed, {
                 "upstream": upstream, "cpu": cpu_name(), "commit": commit(),
                 "started": datetime.now(UTC).isoformat("T", "seconds")})
             t0 = time.monotonic()
-            run_piece(piece)
+            # A split run stops early enough for its evaluation and its last iteration.
+            until = None if piece is not split else end - 60 * (
+                plan[-1].minutes(factor) + piece.minutes(factor) / params.ppo.iterations)
+            if not run_piece(piece, until):
+                print(f"stopped: {piece.name} after {(time.monotonic() - t0) / 60:.1f} min; "
+                      "the same command on this machine resumes it", flush=True)
+                break
             print(f"done: {piece.name} in {(time.monotonic() - t0) / 60:.1f} min", flush=True)
             finished.append(piece)
     finally:  # also when a piece fails or is stopped: what finished is worth committing
-        files = sorted({f"{STUDY}/seed{p.seed}.json" for p in finished}
+        started = {p.seed for p in plan if (STUDY / f"seed{p.seed}.json").is_file()}
+        files = sorted({f"{STUDY}/seed{k}.json" for k in started}
                        | {f"{STUDY}/{f}" for p in finished for f in p.files})
         print(json.dumps({"finished": [p.name for p in finished], "commit": files}, indent=1))
+
 
 if __name__ == "__main__":
     main()

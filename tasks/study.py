@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,10 @@ REFERENCE_GFLOPS = 334.5
 #: SDPA (no AVX-512): a PPO iteration took 2.69x the reference's on an AMD EPYC whose matmul
 #: rate is 1.85x lower (benchmarks/results/ppo_iteration_before_after.json).
 NO_KERNEL_SLOWER = 1.45
+#: Least minutes left in a budget for which a PPO run too long to finish is started anyway, to
+#: stop at a checkpoint when the budget is spent (``scripts/study.py``): on a slow machine a
+#: run is longer than a session, and only runs split over sessions can finish there.
+LEAST_PARTIAL = 20.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +57,12 @@ class Piece:
     def name(self) -> str:
         return f"{self.kind}@{self.variant + '-' if self.variant else ''}{self.seed}"
 
-    def minutes(self, slower: float = 1.0) -> float:
-        """Estimated minutes on a machine ``slower`` times slower than the reference."""
+    def minutes(self, slower: float = 1.0, done: float = 0.0) -> float:
+        """Estimated minutes on a machine ``slower`` times slower than the reference, for the
+        share ``1 - done`` of the piece still to run (``done``: a resumable PPO run's share of
+        iterations behind it)."""
         m = MINUTES[self.kind]
-        return slower * float(m[self.variant] if isinstance(m, dict) else m)
+        return slower * (1.0 - done) * float(m[self.variant] if isinstance(m, dict) else m)
 
     def done(self, root: Path) -> bool:
         return all((root / f).is_file() for f in self.files)
@@ -121,10 +127,12 @@ def runnable(todo: Sequence[Piece], root: Path, upstream: str) -> tuple[list[Pie
     return keep, list(why.values())
 
 
-def fit(todo: Sequence[Piece], minutes: float, slower: float = 1.0) -> list[Piece]:
-    """The longest prefix of ``todo`` whose estimated minutes (:meth:`Piece.minutes`) add up
-    to ``minutes`` or less, a PPO run only with its evaluation (a run without one compares
-    nothing)."""
+def fit(todo: Sequence[Piece], minutes: float, slower: float = 1.0,
+        done: Mapping[str, float] | None = None) -> list[Piece]:
+    """The longest prefix of ``todo`` whose estimated minutes (:meth:`Piece.minutes`, of what
+    is left of a piece named in ``done``) add up to ``minutes`` or less, a PPO run only with
+    its evaluation (a run without one compares nothing)."""
+    done = done or {}
     out: list[Piece] = []
     total = 0.0
     i = 0
@@ -133,13 +141,28 @@ def fit(todo: Sequence[Piece], minutes: float, slower: float = 1.0) -> list[Piec
         nxt = todo[i + 1] if i + 1 < len(todo) else None
         if todo[i].kind == "ppo" and nxt is not None and nxt.kind == "evaluate":
             group.append(nxt)
-        cost = sum(p.minutes(slower) for p in group)
+        cost = sum(p.minutes(slower, done.get(p.name, 0.0)) for p in group)
         if total + cost > minutes:
             break
         out += group
         total += cost
         i += len(group)
     return out
+
+
+def to_split(todo: Sequence[Piece], plan: Sequence[Piece], minutes: float,
+             slower: float = 1.0, done: Mapping[str, float] | None = None,
+             least: float = LEAST_PARTIAL) -> Piece | None:
+    """The piece after ``plan`` in ``todo`` when it is a PPO run (followed by its evaluation)
+    that does not fit whole in ``minutes`` (the budget) while ``least`` minutes or more are
+    left after ``plan``'s estimates and its evaluation's: it runs until the budget is spent and
+    stops at a checkpoint, to be resumed later on this machine. ``None``: no such piece."""
+    done = done or {}
+    nxt = todo[len(plan):len(plan) + 2]
+    if len(nxt) < 2 or nxt[0].kind != "ppo" or nxt[1].kind != "evaluate":
+        return None
+    left = minutes - sum(p.minutes(slower, done.get(p.name, 0.0)) for p in [*plan, nxt[1]])
+    return nxt[0] if left >= least else None
 
 
 def record_seed(root: Path, seed: int, info: dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ from hisr_core import contracts
 from hisr_core.config import load_params, parse_params
 from tasks.evaluate import OUTCOMES_FILE, read_outcomes, write_outcomes
 from tasks.report import gather
-from tasks.study import fit, pieces, record_seed, runnable, upstream_fingerprint
+from tasks.study import fit, pieces, record_seed, runnable, to_split, upstream_fingerprint
 from tests.household_data import rollout_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,6 +70,50 @@ def test_fit_keeps_a_ppo_run_with_its_evaluation():
                                                "evaluate@ppo-0"]
     assert len(fit(todo, 127)) == 4 and len(fit(todo, 128)) == 6 and fit(todo, 0.5) == []
     assert len(fit(todo, 63, slower=2.0)) == 2  # 2 + 24 + 100 minutes on a machine half as fast
+
+
+def test_a_resumed_run_is_planned_for_what_is_left_of_it():
+    todo = pieces(_params())  # sft 1, start curve 12, ppo 45 + eval 5, hisr 60 + eval 5
+    assert [p.name for p in fit(todo, 40)] == ["sft@0", "start_curve@0"]
+    # Two thirds of ppo@ppo-0's iterations are behind it: 15 + 5 minutes are left.
+    done = {"ppo@ppo-0": 2 / 3}
+    assert todo[2].minutes(2.0, 2 / 3) == pytest.approx(30.0)
+    assert [p.name for p in fit(todo, 33, done=done)] == ["sft@0", "start_curve@0",
+                                                          "ppo@ppo-0", "evaluate@ppo-0"]
+
+
+def test_a_run_longer_than_what_is_left_is_split_when_enough_time_is_left():
+    todo = pieces(_params())
+    plan = fit(todo, 40)  # sft and the start curve (13 minutes); ppo@ppo-0 needs 50
+    assert to_split(todo, plan, 40) is todo[2]  # 40 - 13 - its evaluation's 5 = 22 >= 20
+    assert to_split(todo, plan, 37) is None  # 19 minutes would be left for it
+    assert to_split(todo, plan, 40, least=25) is None
+    assert to_split(todo, fit(todo, 1), 1) is None  # the next piece is not a PPO run
+    assert to_split(todo, fit(todo, 500), 500) is None  # nothing is left to split
+
+
+def test_the_runner_stops_a_piece_with_sigterm_when_its_time_is_up(tmp_path):
+    # The real signal path of scripts/study.py's run(), with a child that, like a PPO run,
+    # finishes its step and writes a checkpoint on SIGTERM.
+    import importlib.util
+    import sys
+    import time
+
+    spec = importlib.util.spec_from_file_location("study_script", ROOT / "scripts/study.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    mark = tmp_path / "checkpoint"
+    child = ("import signal, sys, time\n"
+             "signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[1], 'w').write('ok'),"
+             " sys.exit(143)))\n"
+             "print('ready', flush=True)\n"
+             "time.sleep(60)\n")
+    t0 = time.monotonic()
+    assert study.run([sys.executable, "-c", child, str(mark)], until=t0 + 5.0) is False
+    assert mark.read_text() == "ok" and time.monotonic() - t0 < 30
+    assert study.run([sys.executable, "-c", "pass"], until=time.monotonic() + 30) is True
+    with pytest.raises(Exception, match="returned non-zero exit status 3"):
+        study.run([sys.executable, "-c", "raise SystemExit(3)"])
 
 
 def test_upstream_fingerprint_follows_the_models_bytes(tmp_path):
