@@ -36,6 +36,7 @@ from hisr_core.hardware import cpu_name, matmul_flops
 from hisr_core.train.checkpoint import read_meta
 from tasks.ppo import run_dirs
 from tasks.study import (
+    LEAST_PARTIAL,
     NO_KERNEL_SLOWER,
     REFERENCE_GFLOPS,
     UPSTREAM,
@@ -178,17 +179,19 @@ def main() -> None:
         for piece in plan:
             estimate = piece.minutes(factor, done.get(piece.name, 0.0))
             left = (end - time.monotonic()) / 60
+            until = None
+            if piece is split:  # it stops in time for its last iteration and its evaluation
+                until = end - 60 * (plan[-1].minutes(factor)
+                                    + piece.minutes(factor) / params.ppo.iterations)
+                left = (until - time.monotonic()) / 60
             # A run's evaluation always follows it: a run without one compares nothing.
-            if piece is not split and piece.kind != "evaluate" and estimate > left:
+            if piece.kind != "evaluate" and (left < LEAST_PARTIAL if until else estimate > left):
                 print(f"stopping before {piece.name}: ~{estimate:.0f} min, {left:.0f} left")
                 break
             record_seed(STUDY, piece.seed, {
                 "upstream": upstream, "cpu": cpu_name(), "commit": commit(),
                 "started": datetime.now(UTC).isoformat("T", "seconds")})
             t0 = time.monotonic()
-            # A split run stops early enough for its evaluation and its last iteration.
-            until = None if piece is not split else end - 60 * (
-                plan[-1].minutes(factor) + piece.minutes(factor) / params.ppo.iterations)
             if not run_piece(piece, until):
                 print(f"stopped: {piece.name} after {(time.monotonic() - t0) / 60:.1f} min; "
                       "the same command on this machine resumes it", flush=True)
