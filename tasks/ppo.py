@@ -70,7 +70,7 @@ def run_dirs(data: Path, variant: str, seed: int) -> tuple[Path, Path]:
 
 def fingerprint(params: Params, variant: str, inputs: list[Path]) -> str:
     """What a checkpoint must match to be resumed: the params read and the input files'
-    names, sizes and modification times."""
+    names, sizes and bytes."""
     return checkpoint_fingerprint(sections(params, variant), inputs)
 
 

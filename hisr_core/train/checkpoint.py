@@ -31,7 +31,7 @@ META = "meta.json"
 
 def fingerprint(config: Any, inputs: Sequence[Path] = ()) -> str:
     """What a checkpoint must match to be resumed: ``config`` (JSON-able: the params read) and
-    the input files' names, sizes and modification times (cheap for a model of many GB)."""
+    the input files' names, sizes and bytes (:func:`hisr_core.stamp.file_stamp`)."""
     return stamp.fingerprint(config, inputs)
 
 
