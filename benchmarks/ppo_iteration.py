@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from hisr_core.agent.models import count_parameters, load_model, load_tokenizer
     from hisr_core.config import load_params
+    from hisr_core.hardware import matmul_flops
     from hisr_core.rl.loop import Learner, needs, run_iteration, setup
     from hisr_core.train.engine import unwrap_hf
-    from hisr_core.hardware import matmul_flops
     from tasks.ppo import _frozen, _inputs
 
     torch.set_num_threads(args.threads)
