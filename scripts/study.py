@@ -5,14 +5,16 @@
     scripts/python scripts/study.py --report      # data/study/report from the committed files
 
 First the default pipeline's stages up to `rewards` and `evaluate_sft` (`dvc repro`; nothing to
-do when they are current), whose folders are linked into data/study. Then, in the protocol's
-order (docs/results.md), the pieces still missing: for each seed, its copy of `sft`'s
-evaluation, each variant's PPO run and evaluation, and the start curve. A piece is started only
-if its estimate fits in what is left of `--hours`. A stopped PPO run resumes from its
-checkpoint when the same command runs again on the same machine; so when the next piece is a PPO
-run too long for what is left (on a slow machine a run can be longer than a session), it runs
-until the budget is spent and stops at a checkpoint, and a later call on this machine finishes
-it. Commit the files it lists at the end (`git add` them): they are all the study keeps.
+do when they are current), whose folders are linked into data/study; when data/ already holds
+the models a started seed was pinned to, only that upstream's seeds run, without `dvc repro`.
+Then, in the protocol's order (docs/results.md), the pieces still missing: for each seed, its
+copy of `sft`'s evaluation, each variant's PPO run and evaluation, and the start curve. A piece
+is started only if its estimate fits in what is left of `--hours`. A stopped PPO run resumes
+from its checkpoint when the same command runs again on the same machine; so when the next
+piece is a PPO run too long for what is left (on a slow machine a run can be longer than a
+session), it runs until the budget is spent and stops at a checkpoint, and a later call on
+this machine finishes it. Commit the files it lists at the end (`git add` them): they are all
+the study keeps.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ from tasks.study import (
     NO_KERNEL_SLOWER,
     REFERENCE_GFLOPS,
     UPSTREAM,
+    UPSTREAM_MODELS,
     Piece,
     fit,
+    own_pieces,
     pieces,
     record_seed,
     runnable,
@@ -157,10 +161,20 @@ def main() -> None:
             print(f"{state}  {p.name:<22} ~{p.minutes(factor, done.get(p.name, 0.0)):.0f} min")
         return
     start = time.monotonic()
-    run([".venv/bin/dvc" if Path(".venv/bin/dvc").exists() else "dvc", "repro",
-         "rewards", "evaluate_sft"])
+    here = (upstream_fingerprint(DATA)
+            if all((ROOT / DATA / name).is_dir() for name in (*UPSTREAM, *UPSTREAM_MODELS))
+            else None)
+    own = own_pieces(todo, STUDY, here) if here else []
+    if own:
+        print(f"{DATA} holds upstream {here}, on which seed(s) "
+              f"{', '.join(sorted({str(p.seed) for p in own}))} started: their pieces run "
+              "without dvc repro, and no new seed starts in this call", flush=True)
+        todo = own
+    else:
+        run([".venv/bin/dvc" if Path(".venv/bin/dvc").exists() else "dvc", "repro",
+             "rewards", "evaluate_sft"])
     link_upstream()
-    upstream = upstream_fingerprint(DATA)
+    upstream = here if own else upstream_fingerprint(DATA)
     factor = slower()
     ready, skipped = runnable(todo, STUDY, upstream)
     for why in skipped:

@@ -111,6 +111,16 @@ def seed_upstream(root: Path, seed: int) -> str | None:
     return json.loads(path.read_text())["upstream"] if path.is_file() else None
 
 
+def own_pieces(todo: Sequence[Piece], root: Path, upstream: str) -> list[Piece]:
+    """The pieces of ``todo`` still to run of the seeds started on ``upstream`` whose ``sft``
+    evaluation is in. They need nothing of the pipeline but that upstream's folders, so
+    ``scripts/study.py`` runs them without ``dvc repro``, which would rerun a stage whose code
+    changed even where its outputs cannot (and rewrite every model it restores)."""
+    sft_done = {p.seed for p in todo if p.kind == "sft" and p.done(root)}
+    return [p for p in todo if p.seed in sft_done and not p.done(root)
+            and seed_upstream(root, p.seed) == upstream]
+
+
 def runnable(todo: Sequence[Piece], root: Path, upstream: str) -> tuple[list[Piece], list[str]]:
     """The pieces of ``todo`` that are not done and whose seed is new or was started on
     ``upstream``; and, per seed left out, why."""

@@ -13,7 +13,15 @@ from hisr_core import contracts
 from hisr_core.config import load_params, parse_params
 from tasks.evaluate import OUTCOMES_FILE, read_outcomes, write_outcomes
 from tasks.report import gather
-from tasks.study import fit, pieces, record_seed, runnable, to_split, upstream_fingerprint
+from tasks.study import (
+    fit,
+    own_pieces,
+    pieces,
+    record_seed,
+    runnable,
+    to_split,
+    upstream_fingerprint,
+)
 from tests.household_data import rollout_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +69,22 @@ def test_seeds_started_on_another_upstream_are_left_out(tmp_path):
     assert len(why) == 1 and "seed 0 was started on upstream aaaa" in why[0]
     ready, why = runnable(todo, tmp_path, "aaaa")
     assert len(ready) == len(todo) and why == []
+
+
+def test_a_started_seeds_pieces_are_its_upstreams_own(tmp_path):
+    # Seed 0 started on aaaa with its sft evaluation in; seed 1 started on bbbb; seed 2 on aaaa
+    # but its sft evaluation is missing (it needs evaluate_sft, so dvc repro).
+    todo = pieces(_params(seeds=(0, 1, 2)))
+    for seed, upstream in ((0, "aaaa"), (1, "bbbb"), (2, "aaaa")):
+        record_seed(tmp_path, seed, {"upstream": upstream})
+    for seed in (0, 1):
+        for f in todo[6 * seed].files:  # the seed's sft piece
+            (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / f).write_text("x")
+    own = own_pieces(todo, tmp_path, "aaaa")
+    assert [p.name for p in own] == ["start_curve@0", "ppo@ppo-0", "evaluate@ppo-0",
+                                     "ppo@hisr-0", "evaluate@hisr-0"]
+    assert own_pieces(todo, tmp_path, "cccc") == []
 
 
 def test_fit_keeps_a_ppo_run_with_its_evaluation():
