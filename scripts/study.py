@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from hisr_core.config import load_params
 from hisr_core.hardware import cpu_name, matmul_flops
+from hisr_core.rollout.cpu.decode_attention import route
 from hisr_core.train.checkpoint import read_meta
 from tasks.ppo import run_dirs
 from tasks.study import (
@@ -99,12 +100,10 @@ def slower() -> float:
     """This machine's minutes per minute of the estimates' (on an idle machine): the matmul
     rates' ratio, times ``NO_KERNEL_SLOWER`` where generation cannot use the CPU decode kernel
     (the estimates' machine did)."""
-    from hisr_core.rollout.cpu.decode_attention import kernel
-
     # Best of ~3 s of products: a shorter window can fall on a busy moment of a shared host
     # (on the AMD EPYC one call measured 5.3x, one an hour earlier 2.8x).
     return (REFERENCE_GFLOPS * 1e9 / matmul_flops(2, repeats=80)
-            * (1.0 if kernel() is not None else NO_KERNEL_SLOWER))
+            * (1.0 if route() != "sdpa" else NO_KERNEL_SLOWER))
 
 
 def ppo_done(todo: list[Piece], iterations: int) -> dict[str, float]:
@@ -205,7 +204,7 @@ def main() -> None:
                 print(f"stopping before {piece.name}: ~{estimate:.0f} min, {left:.0f} left")
                 break
             record_seed(STUDY, piece.seed, {
-                "upstream": upstream, "cpu": cpu_name(), "commit": commit(),
+                "upstream": upstream, "cpu": cpu_name(), "decode": route(), "commit": commit(),
                 "started": datetime.now(UTC).isoformat("T", "seconds")})
             t0 = time.monotonic()
             if not run_piece(piece, until):

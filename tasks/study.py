@@ -33,8 +33,9 @@ MINUTES = {"sft": 1, "start_curve": 12, "evaluate": 5,
            "ppo": {"ppo": 45, "grpo": 35, "no_both": 65, "hisr": 60}}
 REFERENCE_GFLOPS = 334.5
 #: How much longer than the matmul ratio says a piece takes where generation falls back to
-#: SDPA (no AVX-512): a PPO iteration took 2.69x the reference's on an AMD EPYC whose matmul
-#: rate is 1.85x lower (benchmarks/results/ppo_iteration_before_after.json).
+#: SDPA (no decode kernel): a PPO iteration took 2.69x the reference's on an AMD EPYC whose
+#: matmul rate is 1.85x lower, when the kernel needed AVX-512
+#: (benchmarks/results/ppo_iteration_before_after.json).
 NO_KERNEL_SLOWER = 1.45
 #: Least minutes left in a budget for which a PPO run too long to finish is started anyway, to
 #: stop at a checkpoint when the budget is spent (``scripts/study.py``): on a slow machine a
@@ -130,8 +131,12 @@ def runnable(todo: Sequence[Piece], root: Path, upstream: str) -> tuple[list[Pie
             continue
         started = seed_upstream(root, piece.seed)
         if started is not None and started != upstream:
-            why[piece.seed] = (f"seed {piece.seed} was started on upstream {started}, this "
-                               f"machine built {upstream}: its pieces need that machine type")
+            record = json.loads(seed_file(root, piece.seed).read_text())
+            where = ", ".join(f"{k} {record[k]}" for k in ("cpu", "decode") if k in record)
+            why[piece.seed] = (f"seed {piece.seed} was started on upstream {started}"
+                               + (f" ({where})" if where else "")
+                               + f", this machine built {upstream}: its pieces need that "
+                               "machine type and decode route (HISR_DECODE_KERNEL=0 for sdpa)")
             continue
         keep.append(piece)
     return keep, list(why.values())

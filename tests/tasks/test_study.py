@@ -61,12 +61,13 @@ def test_a_piece_is_done_when_all_its_files_exist(tmp_path):
 
 def test_seeds_started_on_another_upstream_are_left_out(tmp_path):
     todo = pieces(_params())
-    record_seed(tmp_path, 0, {"upstream": "aaaa"})
+    record_seed(tmp_path, 0, {"upstream": "aaaa", "cpu": "AMD EPYC", "decode": "sdpa"})
     record_seed(tmp_path, 0, {"upstream": "bbbb"})  # written once: the first piece's
     assert json.loads((tmp_path / "seed0.json").read_text())["upstream"] == "aaaa"
     ready, why = runnable(todo, tmp_path, "bbbb")
     assert {p.seed for p in ready} == {1}
-    assert len(why) == 1 and "seed 0 was started on upstream aaaa" in why[0]
+    assert len(why) == 1 and "seed 0 was started on upstream aaaa (cpu AMD EPYC, decode sdpa)" \
+        in why[0] and "HISR_DECODE_KERNEL=0" in why[0]
     ready, why = runnable(todo, tmp_path, "aaaa")
     assert len(ready) == len(todo) and why == []
 

@@ -3,10 +3,11 @@
 Decoding B rows at once on a CPU is bound by reading their KV caches. The kernel reads each
 row's keys and values once and only up to that row's own length, for all the query heads that
 share a KV head, and computes in float32 from a float32 or bfloat16 cache. It is built on first
-use with the machine's C++ compiler for the machine's own CPU (x86-64 with AVX-512; about 20 s
-on 2 cores, then cached under ``TORCH_EXTENSIONS_DIR``, by default ``.cache/torch_extensions``
-in the working directory). Anywhere it cannot be built, or with ``HISR_DECODE_KERNEL=0``,
-:func:`kernel` is None and callers keep PyTorch's SDPA.
+use with the machine's C++ compiler for the machine's own CPU (x86-64 with AVX-512, or with
+AVX2 and FMA: 16 or 8 float32 lanes; about 20 s on 2 cores, then cached under
+``TORCH_EXTENSIONS_DIR``, by default ``.cache/torch_extensions`` in the working directory).
+Anywhere it cannot be built, or with ``HISR_DECODE_KERNEL=0``, :func:`kernel` is None and
+callers keep PyTorch's SDPA.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
-#: Set to ``0`` to never build or use the kernel.
+#: Set to ``0`` to never build or use the kernel, or to ``avx2`` to use its 8-lane build on a CPU
+#: that also has AVX-512 (to test or time it); unset or ``1``, the best build the CPU runs.
 SWITCH = "HISR_DECODE_KERNEL"
+SWITCH_VALUES = ("0", "1", "avx2")
 #: A build lock older than this (seconds) was left by a build that died.
 STALE_LOCK_S = 600
 
@@ -56,6 +59,16 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def vector_isas(flags: str) -> list[str]:
+    """The builds of the kernel a CPU whose ``/proc/cpuinfo`` flags are ``flags`` can run, best
+    first: ``avx512`` (16 float32 lanes), ``avx2`` (8, with FMA)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    have = set(flags.split())
+    return [isa for isa, needs in (("avx512", {"avx512f"}), ("avx2", {"avx2", "fma"}))
+            if needs <= have]
+
+
 def _stable_source(build: Path) -> Path:
     """The kernel's source copied once into its build folder. Ninja rebuilds when the compile
     command changes, and the command names the source's path: built from each checkout's own
@@ -72,36 +85,56 @@ def _stable_source(build: Path) -> Path:
 
 
 def kernel() -> ModuleType | None:
-    """The compiled kernel (``supports(d, g, dtype)``, ``decode(...)``: see :func:`attend`),
-    built once per process; None where it cannot run (not x86-64 with AVX-512, no compiler,
-    ``HISR_DECODE_KERNEL=0``), with the reason logged once."""
-    return None if os.environ.get(SWITCH, "1") == "0" else _build()
+    """The compiled kernel (``supports(d, g, dtype)``, ``decode(...)``, ``lanes()``: see
+    :func:`attend`), built once per process; None where it cannot run (not x86-64 with AVX-512
+    or AVX2 and FMA, no compiler, ``HISR_DECODE_KERNEL=0``), with the reason logged once."""
+    switch = os.environ.get(SWITCH, "1")
+    if switch not in SWITCH_VALUES:
+        raise ValueError(f"{SWITCH}={switch!r}: expected one of {', '.join(SWITCH_VALUES)}")
+    if switch == "0":
+        return None
+    isas = _isas()
+    return _build("avx2" if switch == "avx2" else isas[0] if isas else None)
 
 
 @functools.cache
-def _build() -> ModuleType | None:
-    flags = _cpu_flags()
-    if platform.machine().lower() not in ("x86_64", "amd64") or "avx512f" not in flags.split():
-        log.info("decode-attention kernel: needs an x86-64 CPU with AVX-512; using SDPA")
+def _isas() -> tuple[str, ...]:
+    return tuple(vector_isas(_cpu_flags()))
+
+
+@functools.cache
+def _build(isa: str | None) -> ModuleType | None:
+    if isa not in _isas():
+        log.info("decode-attention kernel: needs an x86-64 CPU with %s; using SDPA",
+                 "AVX2 and FMA" if isa == "avx2" else "AVX-512 or AVX2 and FMA")
         return None
     from torch.utils.cpp_extension import load
 
-    # Built with -march=native: the name carries the source and the CPU it was built for.
-    name = "hisr_decode_attention_" + hashlib.sha256(
-        SOURCE.read_bytes() + flags.encode()).hexdigest()[:12]
+    # Built with -march=native: the name carries the source, the CPU it was built for and the
+    # vector width (the 8-lane build on an AVX-512 CPU turns AVX-512 off).
+    name = f"hisr_decode_attention_{isa}_" + hashlib.sha256(
+        SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
     build = project_extensions_dir() / name
     if not any(build.glob("*.so")):
         # A print: INFO logs are hidden by default, and stages show prints (log_prints).
         print(f"building the CPU decode kernel (first use, ~30 s; cached in {build})",
               flush=True)
+    narrow = ["-mno-avx512f"] if isa != _isas()[0] else []
     try:
         return load(name, [str(_stable_source(build))],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_cflags=["-O3", "-march=native", *narrow, "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # noqa: BLE001 - any build failure: fall back to SDPA
         log.warning("decode-attention kernel could not be built (%s); using SDPA",
                     str(err).splitlines()[0] if str(err) else type(err).__name__)
         return None
+
+
+def route() -> str:
+    """How decode tokens attend here: ``avx512`` or ``avx2`` (the kernel's build), or ``sdpa``.
+    Runs that must generate alike (a study seed's) record it."""
+    k = kernel()
+    return {16: "avx512", 8: "avx2"}[k.lanes()] if k is not None else "sdpa"
 
 
 def supported(head_dim: int, groups: int, *dtypes: torch.dtype) -> bool:

@@ -17,8 +17,19 @@ from hisr_core.rollout.cpu import decode_attention
 from hisr_core.rollout.cpu.decode_attention import attend, supported
 
 pytestmark = pytest.mark.skipif(decode_attention.kernel() is None,
-                                reason="the kernel needs an x86-64 CPU with AVX-512 and a C++ "
-                                       "compiler")
+                                reason="the kernel needs an x86-64 CPU with AVX-512 or AVX2 "
+                                       "and FMA, and a C++ compiler")
+
+
+@pytest.fixture(params=["1", "avx2"])
+def build(request, monkeypatch) -> int:
+    """Each build of the kernel this CPU runs (its best; the 8-lane AVX2 one): its lanes."""
+    if request.param not in ("1", *decode_attention.vector_isas(decode_attention._cpu_flags())):
+        pytest.skip(f"this CPU cannot run the {request.param} build")
+    monkeypatch.setenv(decode_attention.SWITCH, request.param)
+    module = decode_attention.kernel()
+    assert module is not None
+    return module.lanes()
 
 
 def reference(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor,
@@ -37,9 +48,10 @@ def reference(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: tor
 
 @pytest.mark.parametrize(("head_dim", "groups", "dtype"), list(itertools.product(
     (32, 64, 128), (1, 2, 4, 8), (torch.float32, torch.bfloat16))))
-def test_matches_attention_written_out(head_dim, groups, dtype):
-    """Every served head size, group and cache dtype; lengths below, at and above the blocks
-    of 16 scores the kernel sums together, rows read in any order and more than once."""
+def test_matches_attention_written_out(build, head_dim, groups, dtype):
+    """Every build, served head size, group and cache dtype; lengths below, at and above the
+    blocks of 16 (or 8) scores the kernel sums together, rows read in any order and more than
+    once."""
     assert supported(head_dim, groups, dtype)
     g = torch.Generator().manual_seed(head_dim * groups)
     kv_heads, n_rows, columns = 2, 5, 70
@@ -56,7 +68,7 @@ def test_matches_attention_written_out(head_dim, groups, dtype):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-def test_reads_nothing_past_a_rows_length():
+def test_reads_nothing_past_a_rows_length(build):
     """Columns past each row's length (here NaN) and other rows do not change the output."""
     g = torch.Generator().manual_seed(0)
     key, value = torch.randn(2, 2, 40, 32, generator=g), torch.randn(2, 2, 40, 32, generator=g)
@@ -69,7 +81,7 @@ def test_reads_nothing_past_a_rows_length():
     torch.testing.assert_close(alone, before[1:])
 
 
-def test_bfloat16_query_comes_back_bfloat16():
+def test_bfloat16_query_comes_back_bfloat16(build):
     key = value = torch.randn(1, 1, 8, 32, dtype=torch.bfloat16)
     q = torch.randn(1, 2, 32, dtype=torch.bfloat16)
     out = attend(q, key, value, torch.tensor([0]), torch.tensor([8]), 1.0)
@@ -96,6 +108,23 @@ def test_bad_input_is_an_error_naming_it():
 def test_switched_off(monkeypatch):
     monkeypatch.setenv(decode_attention.SWITCH, "0")
     assert decode_attention.kernel() is None and not supported(32, 2, torch.float32)
+    monkeypatch.setenv(decode_attention.SWITCH, "avx3")
+    with pytest.raises(ValueError, match="HISR_DECODE_KERNEL='avx3': expected one of 0, 1, avx2"):
+        decode_attention.kernel()
+
+
+def test_the_builds_a_cpu_runs(monkeypatch):
+    """The best build first; AVX2 alone needs FMA too; AVX-512 CPUs also run the AVX2 build;
+    the route a run records names the build in use."""
+    flags = "flags : fpu sse2 avx avx2 fma"
+    assert decode_attention.vector_isas(flags) == ["avx2"]
+    assert decode_attention.vector_isas(flags + " avx512f avx512bw") == ["avx512", "avx2"]
+    assert decode_attention.vector_isas("flags : fpu sse2 avx avx2") == []
+    best = decode_attention.vector_isas(decode_attention._cpu_flags())[0]
+    assert decode_attention.route() == best
+    assert decode_attention.kernel().lanes() == {"avx512": 16, "avx2": 8}[best]
+    monkeypatch.setenv(decode_attention.SWITCH, "0")
+    assert decode_attention.route() == "sdpa"
 
 
 def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):

@@ -352,14 +352,17 @@ def test_kv_dtype_is_what_the_params_say_on_any_machine(tokenizer, attention):
         hf.resolve_kv_dtype("auto", model)
 
 
+@pytest.mark.parametrize("build", ["1", "avx2"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
-def test_the_sdpa_fallback_gives_the_kernels_numbers(tokenizer, monkeypatch, kv_dtype):
-    """A machine without the kernel (``HISR_DECODE_KERNEL=0``) computes what the kernel does:
-    both read the stored cache in float32 arithmetic, so logits agree to float rounding and the
-    same seed samples the same tokens (entropies: the logits), packed passes and
-    compaction included."""
+def test_the_sdpa_fallback_gives_the_kernels_numbers(tokenizer, monkeypatch, kv_dtype, build):
+    """A machine without the kernel (``HISR_DECODE_KERNEL=0``) computes what the kernel does
+    (its best build, and the 8-lane AVX2 one): both read the stored cache in float32
+    arithmetic, so logits agree to float rounding and the same seed samples the same tokens
+    (entropies: the logits), packed passes and compaction included."""
+    monkeypatch.setenv(decode_attention.SWITCH, build)
     if decode_attention.kernel() is None:
-        pytest.skip("the decode-attention kernel cannot be built here")
+        pytest.skip(f"the decode-attention kernel ({decode_attention.SWITCH}={build}) cannot "
+                    "be built here")
     model = peaky_model(tokenizer, seed=3, hidden=ATTENTION["kernel"])
     texts = ["You arrive at cabinet 1.", "You are in the middle of a room. Looking around",
              "On the countertop 1, you see a apple 2, a knife 1.", "Nothing happens.",

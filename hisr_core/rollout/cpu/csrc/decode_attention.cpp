@@ -1,5 +1,5 @@
 // Decode attention over a ragged KV cache: one query token per row, each row reading its own
-// cache only up to its own length. See hisr_core/decode_attention.py.
+// cache only up to its own length. See hisr_core/rollout/cpu/decode_attention.py.
 //
 // Decoding many rows at once on a CPU is bound by reading the cache. PyTorch's SDPA reads every
 // row up to the longest (or needs one call per range of rows), and in bfloat16 is bound by
@@ -16,74 +16,152 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#define HISR_VECTORIZED 1
 
 namespace {
 
-// A cache column of D values as D/16 float32 vectors. float32 in order; bfloat16 as two
-// vectors per 32 values, the even ones and the odd ones (each bfloat16 is the high half of a
-// float32: the odd ones are a mask away, the even ones a shift). Dot products do not care about
-// order as long as the query is permuted alike (lane_of).
+// The vector operations the kernel needs, for 16 float32 lanes (AVX-512) or 8 (AVX2 with FMA,
+// e.g. AMD Zen 1-3 and most laptops): the kernel below is written once against these.
+#if defined(__AVX512F__)
+struct Vec {
+  using reg = __m512;
+  static constexpr int W = 16;
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, reg x) { _mm512_storeu_ps(p, x); }
+  static reg set1(float x) { return _mm512_set1_ps(x); }
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static reg fnmadd(reg a, reg b, reg c) { return _mm512_fnmadd_ps(a, b, c); }
+  static reg round(reg x) {
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static reg times_pow2(reg p, reg n) { return _mm512_scalef_ps(p, n); }  // p · 2^n
+  static float reduce(reg x) { return _mm512_reduce_add_ps(x); }
+  // 32 bfloat16 → their float32 values, the even ones and the odd ones (each bfloat16 is the
+  // high half of a float32: the odd ones are a mask away, the even ones a shift).
+  static void load_bf16(const at::BFloat16* p, reg* even, reg* odd) {
+    const __m512i x = _mm512_loadu_si512(p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(
+        static_cast<int>(0xFFFF0000u))));
+  }
+  // Lane k of the result: the sum of the 16 lanes of v[k] (a transpose-and-add tree: 45
+  // shuffles and adds for 16 sums, against 8 each one at a time).
+  static reg sum_each(const reg* v) {
+    __m512 a[8], b[4], c[2];
+    for (int k = 0; k < 8; ++k)
+      a[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                           _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; ++k) {
+      const __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
+      b[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int k = 0; k < 2; ++k)
+      c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0x88),
+                           _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                         _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  }
+};
+#else
+struct Vec {
+  using reg = __m256;
+  static constexpr int W = 8;
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, reg x) { _mm256_storeu_ps(p, x); }
+  static reg set1(float x) { return _mm256_set1_ps(x); }
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static reg fnmadd(reg a, reg b, reg c) { return _mm256_fnmadd_ps(a, b, c); }
+  static reg round(reg x) {
+    return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  // p · 2^n for integral n in [-126, 127]: n built into a float's exponent field.
+  static reg times_pow2(reg p, reg n) {
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  }
+  static float reduce(reg x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static void load_bf16(const at::BFloat16* p, reg* even, reg* odd) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(
+        static_cast<int>(0xFFFF0000u))));
+  }
+  // Lane k of the result: the sum of the 8 lanes of v[k] (transpose-and-add, as above).
+  static reg sum_each(const reg* v) {
+    __m256 a[4], b[2];
+    for (int k = 0; k < 4; ++k)
+      a[k] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                           _mm256_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 2; ++k) {
+      const __m256d x = _mm256_castps_pd(a[2 * k]), y = _mm256_castps_pd(a[2 * k + 1]);
+      b[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                           _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20),
+                         _mm256_permute2f128_ps(b[0], b[1], 0x31));
+  }
+};
+#endif
+
+constexpr int W = Vec::W;
+using reg = Vec::reg;
+
+// A cache column of D values as D/W float32 vectors. float32 in order; bfloat16 as two vectors
+// per 2W values, the even ones and the odd ones. Dot products do not care about order as long
+// as the query is permuted alike (lane_of).
 template <typename T, int D>
 struct Column;
 
 template <int D>
 struct Column<float, D> {
-  static void load(const float* p, __m512* out) {
-    for (int c = 0; c < D / 16; ++c) out[c] = _mm512_loadu_ps(p + c * 16);
+  static void load(const float* p, reg* out) {
+    for (int c = 0; c < D / W; ++c) out[c] = Vec::load(p + c * W);
   }
-  static int lane_of(int c, int i) { return c * 16 + i; }
+  static int lane_of(int c, int i) { return c * W + i; }
 };
 
 template <int D>
 struct Column<at::BFloat16, D> {
-  static void load(const at::BFloat16* p, __m512* out) {
-    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    for (int b = 0; b < D / 32; ++b) {
-      const __m512i x = _mm512_loadu_si512(p + b * 32);
-      out[2 * b] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-      out[2 * b + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
-    }
+  static void load(const at::BFloat16* p, reg* out) {
+    for (int b = 0; b < D / (2 * W); ++b)
+      Vec::load_bf16(p + b * 2 * W, &out[2 * b], &out[2 * b + 1]);
   }
-  static int lane_of(int c, int i) { return (c / 2) * 32 + 2 * i + (c % 2); }
+  static int lane_of(int c, int i) { return (c / 2) * 2 * W + 2 * i + (c % 2); }
 };
 
-// Lane k of the result: the sum of the 16 lanes of v[k] (a transpose-and-add tree: 45
-// shuffles and adds for 16 sums, against 8 each one at a time).
-inline __m512 sum16(const __m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int k = 0; k < 8; ++k)
-    a[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
-                         _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 4; ++k) {
-    const __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
-    b[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int k = 0; k < 2; ++k)
-    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
-                       _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-}
-
 // exp(x) for x <= 0 (scores minus their maximum): 2^n · p(r), r = x - n ln 2 in [-ln2/2, ln2/2],
-// p of degree 6 (relative error ~2e-7); below -87 the result is 0.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+// p of degree 6 (relative error ~2e-7); x is clamped at -87 (exp(-87) ~ 1.6e-38).
+inline reg exp_neg(reg x) {
+  x = Vec::max(x, Vec::set1(-87.f));
+  const reg n = Vec::round(Vec::mul(x, Vec::set1(1.44269504f)));
+  reg r = Vec::fnmadd(n, Vec::set1(0.693145751953125f), x);
+  r = Vec::fnmadd(n, Vec::set1(1.428606765330187e-06f), r);
+  reg p = Vec::set1(1.f / 720);
+  p = Vec::fmadd(p, r, Vec::set1(1.f / 120));
+  p = Vec::fmadd(p, r, Vec::set1(1.f / 24));
+  p = Vec::fmadd(p, r, Vec::set1(1.f / 6));
+  p = Vec::fmadd(p, r, Vec::set1(0.5f));
+  p = Vec::fmadd(p, r, Vec::set1(1.f));
+  p = Vec::fmadd(p, r, Vec::set1(1.f));
+  return Vec::times_pow2(p, n);
 }
 
 // Ask for the cache lines of a column ahead of the one being read. One (row, KV head) streams a
@@ -102,90 +180,90 @@ inline void prefetch_ahead(const T* column) {
 }
 
 // One (row, KV head): out[g] = softmax(scale * q[g] · K[:len]) · V[:len] for its G query heads.
-// q, out: [G, D] float32; k, v: [len, D] (rows D apart); s: room for G * len + 16 floats, the
+// q, out: [G, D] float32; k, v: [len, D] (rows D apart); s: room for G * len + W floats, the
 // scores column by column (s[j * G + g]).
 template <typename T, int D, int G>
 void attend_one(const float* __restrict q, const T* __restrict k, const T* __restrict v,
                 float* __restrict out, int64_t len, float scale, float* __restrict s) {
   using Col = Column<T, D>;
-  constexpr int C = D / 16, B = 16 / G;  // vectors a column; columns a block of 16 scores
-  __m512 qv[G][C];
+  constexpr int C = D / W, B = W / G;  // vectors a column; columns a block of W scores
+  reg qv[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) {
-      alignas(64) float lanes[16];
-      for (int i = 0; i < 16; ++i) lanes[i] = q[g * D + Col::lane_of(c, i)] * scale;
-      qv[g][c] = _mm512_load_ps(lanes);
+      float lanes[W];
+      for (int i = 0; i < W; ++i) lanes[i] = q[g * D + Col::lane_of(c, i)] * scale;
+      qv[g][c] = Vec::load(lanes);
     }
-  __m512 top = _mm512_set1_ps(-INFINITY);
+  reg top = Vec::set1(-INFINITY);
   const int64_t blocked = len / B * B;
   for (int64_t j0 = 0; j0 < blocked; j0 += B) {
-    __m512 part[16];
+    reg part[W];
     for (int b = 0; b < B; ++b) {
-      __m512 kj[C];
+      reg kj[C];
       prefetch_ahead<T, D>(k + (j0 + b) * D);
       Col::load(k + (j0 + b) * D, kj);
       for (int g = 0; g < G; ++g) {
-        __m512 acc = _mm512_mul_ps(qv[g][0], kj[0]);
-        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], kj[c], acc);
+        reg acc = Vec::mul(qv[g][0], kj[0]);
+        for (int c = 1; c < C; ++c) acc = Vec::fmadd(qv[g][c], kj[c], acc);
         part[b * G + g] = acc;
       }
     }
-    const __m512 x = sum16(part);
-    _mm512_storeu_ps(s + j0 * G, x);
-    top = _mm512_max_ps(top, x);
+    const reg x = Vec::sum_each(part);
+    Vec::store(s + j0 * G, x);
+    top = Vec::max(top, x);
   }
-  alignas(64) float tops[16];
-  _mm512_store_ps(tops, top);
+  float tops[W];
+  Vec::store(tops, top);
   float m[G];
   for (int g = 0; g < G; ++g) {
     m[g] = -INFINITY;
-    for (int i = g; i < 16; i += G) m[g] = std::max(m[g], tops[i]);
+    for (int i = g; i < W; i += G) m[g] = std::max(m[g], tops[i]);
   }
   for (int64_t j = blocked; j < len; ++j) {
-    __m512 kj[C];
+    reg kj[C];
     Col::load(k + j * D, kj);
     for (int g = 0; g < G; ++g) {
-      __m512 acc = _mm512_mul_ps(qv[g][0], kj[0]);
-      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], kj[c], acc);
-      s[j * G + g] = _mm512_reduce_add_ps(acc);
+      reg acc = Vec::mul(qv[g][0], kj[0]);
+      for (int c = 1; c < C; ++c) acc = Vec::fmadd(qv[g][c], kj[c], acc);
+      s[j * G + g] = Vec::reduce(acc);
       m[g] = std::max(m[g], s[j * G + g]);
     }
   }
   // Softmax numerators in place; lane i of a block holds head i % G.
-  for (int i = 0; i < 16; ++i) tops[i] = m[i % G];
-  const __m512 shift = _mm512_load_ps(tops);
-  __m512 total = _mm512_setzero_ps();
-  const int64_t n = len * G, vec = n / 16 * 16;
-  for (int64_t i = 0; i < vec; i += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), shift));
-    _mm512_storeu_ps(s + i, e);
-    total = _mm512_add_ps(total, e);
+  for (int i = 0; i < W; ++i) tops[i] = m[i % G];
+  const reg shift = Vec::load(tops);
+  reg total = Vec::zero();
+  const int64_t n = len * G, vec = n / W * W;
+  for (int64_t i = 0; i < vec; i += W) {
+    const reg e = exp_neg(Vec::sub(Vec::load(s + i), shift));
+    Vec::store(s + i, e);
+    total = Vec::add(total, e);
   }
-  alignas(64) float totals[16];
-  _mm512_store_ps(totals, total);
+  float totals[W];
+  Vec::store(totals, total);
   float sum[G] = {};
-  for (int i = 0; i < 16; ++i) sum[i % G] += totals[i];
+  for (int i = 0; i < W; ++i) sum[i % G] += totals[i];
   for (int64_t i = vec; i < n; ++i) {
     s[i] = std::exp(s[i] - m[i % G]);
     sum[i % G] += s[i];
   }
-  __m512 acc[G][C];
+  reg acc[G][C];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[g][c] = Vec::zero();
   for (int64_t j = 0; j < len; ++j) {
-    __m512 vj[C];
+    reg vj[C];
     prefetch_ahead<T, D>(v + j * D);
     Col::load(v + j * D, vj);
     for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(s[j * G + g]);
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vj[c], acc[g][c]);
+      const reg p = Vec::set1(s[j * G + g]);
+      for (int c = 0; c < C; ++c) acc[g][c] = Vec::fmadd(p, vj[c], acc[g][c]);
     }
   }
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) {
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(1.f / sum[g])));
-      for (int i = 0; i < 16; ++i) out[g * D + Col::lane_of(c, i)] = lanes[i];
+      float lanes[W];
+      Vec::store(lanes, Vec::mul(acc[g][c], Vec::set1(1.f / sum[g])));
+      for (int i = 0; i < W; ++i) out[g * D + Col::lane_of(c, i)] = lanes[i];
     }
 }
 
@@ -205,7 +283,7 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
   // Rows differ in length: threads take (row, head) items one at a time, not equal shares.
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> s(G * longest + 16);
+    std::vector<float> s(G * longest + W);
     for (int64_t i = next++; i < items; i = next++) {
       const int64_t r = i / heads, h = i % heads, row = rp[r];
       attend_one<T, D, G>(qp + i * G * D, kp + row * k.stride(0) + h * k.stride(1),
@@ -242,17 +320,18 @@ bool dispatch(int64_t d, int64_t g, const torch::Tensor& q, const torch::Tensor&
 
 }  // namespace
 
-bool vectorized() { return true; }
+// float32 lanes of a vector in this build (0: none).
+int64_t lanes() { return W; }
 
 #else
 
-bool vectorized() { return false; }
+int64_t lanes() { return 0; }
 
 #endif
 
 // Whether decode() serves head size d, g query heads per KV head and a cache of this dtype.
 bool supports(int64_t d, int64_t g, const std::string& dtype) {
-  return vectorized() && (d == 32 || d == 64 || d == 128) && (g == 1 || g == 2 || g == 4 || g == 8)
+  return lanes() > 0 && (d == 32 || d == 64 || d == 128) && (g == 1 || g == 2 || g == 4 || g == 8)
       && (dtype == "float32" || dtype == "bfloat16");
 }
 
@@ -281,7 +360,7 @@ torch::Tensor decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
     TORCH_CHECK(lp[r] >= 1 && lp[r] <= k.size(2), "decode: length ", lp[r], " out of range");
   }
   auto out = torch::empty_like(q);
-#if defined(__AVX512F__)
+#if defined(HISR_VECTORIZED)
   const bool done = k.scalar_type() == at::kFloat
       ? dispatch<float>(q.size(3), q.size(2), q, k, v, rows, lengths, out, scale)
       : k.scalar_type() == at::kBFloat16
@@ -289,12 +368,13 @@ torch::Tensor decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
       : false;
   TORCH_CHECK(done, "decode: unsupported head size, group or dtype (see supports)");
 #else
-  TORCH_CHECK(false, "decode: built without AVX-512");
+  TORCH_CHECK(false, "decode: built without AVX-512 or AVX2 with FMA");
 #endif
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("lanes", &lanes);
   m.def("supports", &supports);
   m.def("decode", &decode);
 }
