@@ -33,8 +33,7 @@ def available() -> dict[str, str]:
     """The settings this machine runs: the kernel's best build, its AVX2 build where that is
     another one, and SDPA."""
     isas = decode_attention.vector_isas(decode_attention._cpu_flags())
-    keep = {"sdpa"} | ({"kernel"} if isas else set()) | (
-        {"kernel_avx2"} if len(isas) > 1 and "avx2" in isas else set())
+    keep = {"sdpa", *(["kernel"] if isas else []), *(["kernel_avx2"] if isas[1:] else [])}
     return {name: value for name, value in SETTINGS.items() if name in keep}
 
 
@@ -73,8 +72,9 @@ def main(argv: list[str] | None = None) -> None:
         median = statistics.median_low(r["seconds"] for r in measured)
         result[name] = {**next(r for r in measured if r["seconds"] == median),
                         "seconds_each": [r["seconds"] for r in measured]}
-    result["speedup_over_sdpa"] = {name: round(result["sdpa"]["seconds"] / result[name]["seconds"], 2)
-                                   for name in runs if name != "sdpa"}
+    result["speedup_over_sdpa"] = {
+        name: round(result["sdpa"]["seconds"] / result[name]["seconds"], 2)
+        for name in runs if name != "sdpa"}
     result.update(python=platform.python_version(), threads=args.threads,
                   kv_dtype=args.kv_dtype,
                   isas=decode_attention.vector_isas(decode_attention._cpu_flags()))

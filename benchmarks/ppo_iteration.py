@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     from hisr_core.config import load_params
     from hisr_core.hardware import matmul_flops
     from hisr_core.rl.loop import Learner, needs, run_iteration, setup
+    from hisr_core.rollout.cpu.decode_attention import route
     from hisr_core.train.engine import unwrap_hf
     from tasks.ppo import _frozen, _inputs
 
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
               "pi_ref": int(need["ref"]), "pi_hind": int(need["hind"]),
               "sprm": int(need["sprm"]) + int(need["turn_sprm"])},
           "params": {"policy": count_parameters(learner.policy_model), "decoder_layers": p_layers},
-          "python": platform.python_version(), "threads": args.threads}, args.out)
+          "decode": route(), "python": platform.python_version(), "threads": args.threads},
+         args.out)
 
 
 if __name__ == "__main__":
