@@ -1,14 +1,16 @@
 """Env-steps/s of the episode engine (``hf`` backend, B episodes at once) with each build of the
 CPU decode kernel this machine runs (its best, the 8-lane AVX2 one) and with the SDPA fallback
-(``HISR_DECODE_KERNEL=0``), on the same household tasks and sampling seed, measured in one run.
+(``HISR_DECODE_KERNEL=0``), on the same household tasks and sampling seed, in one run.
 Prints one JSON object (and writes it with ``--out``).
 
     python benchmarks/decode_kernel.py --model data/sft/pi_ref --batch 32 --episodes 64
 
 Sampling as in collection (temperature 1.0). The settings compute the same logits to float
-rounding, so they play the same episodes (``env_steps`` and ``success`` show it) and the figure
-compared is the wall time. With ``--repeats R`` the settings are measured R times in turn, so a
-slow spell of a shared machine falls on all of them; each setting keeps its median time.
+rounding, so they play nearly the same episodes (over thousands of sampled tokens a draw can
+fall the other way where the last bits differ: ``env_steps`` and ``success`` show how close),
+and the figure compared is the wall time (``env_steps_per_s`` is there too). With
+``--repeats R`` the settings are measured R times in turn, so a slow spell of a shared machine
+falls on all of them; each setting keeps its median time (the lower middle one for an even R).
 """
 
 from __future__ import annotations
