@@ -110,7 +110,51 @@ def outcome_matrix(runs: Sequence[Mapping[str, float]], tasks: Sequence[str]) ->
     missing = sorted({t for run in runs for t in tasks if t not in run})
     if missing:
         raise ValueError(f"{len(missing)} tasks have no outcome in some run, e.g. {missing[0]}")
-    return np.array([[float(run[t]) for t in tasks] for run in runs], dtype=np.float64)
+    return np.array([[float(run[t]) for t in tasks] for run in runs],
+                    dtype=np.float64).reshape(len(runs), len(tasks))
+
+
+def paired_runs(a: Mapping[int | None, Mapping[str, float]],
+                b: Mapping[int | None, Mapping[str, float]], tasks: Sequence[str]
+                ) -> tuple[np.ndarray, np.ndarray, list[int | None]]:
+    """Two policies' outcomes over ``tasks``, row ``s`` of both from the same seed: the seeds
+    both have, or every seed of one where the other has one evaluation shared by all seeds (key
+    ``None``: the default pipeline's one ``sft``). Returns both matrices and the seeds paired
+    (``[None]`` for two shared evaluations; empty where nothing pairs). Rows by position would
+    pair seed 0 of one with seed 1 of the other as soon as either misses a seed.
+    Shape: → (S, T), (S, T), S seeds."""
+    if None in b and None not in a:
+        mb, ma, seeds = paired_runs(b, a, tasks)
+        return ma, mb, seeds
+    if None in a:
+        if None in b:
+            return outcome_matrix([a[None]], tasks), outcome_matrix([b[None]], tasks), [None]
+        seeds = sorted(s for s in b if s is not None)
+        return (outcome_matrix([a[None]] * len(seeds), tasks),
+                outcome_matrix([b[s] for s in seeds], tasks), seeds)
+    seeds = sorted(set(a) & set(b))
+    return (outcome_matrix([a[s] for s in seeds], tasks),
+            outcome_matrix([b[s] for s in seeds], tasks), seeds)
+
+
+#: The study's margin for "not worse than sft": 3 points of success (docs/results.md).
+NOT_WORSE_MARGIN = 0.03
+
+
+def versus_reference(low: float, high: float, margin: float = NOT_WORSE_MARGIN) -> str:
+    """The protocol's verdict on a policy minus its reference from the paired interval
+    ``[low, high]``: ``beats`` (above 0), ``not worse`` (above ``-margin``), ``worse`` (the whole
+    interval below ``-margin``) or ``may be worse`` (the interval reaches below ``-margin``)."""
+    if low > 0:
+        return "beats"
+    if low > -margin:
+        return "not worse"
+    return "worse" if high < -margin else "may be worse"
+
+
+def order(low: float, high: float) -> str:
+    """``>``, ``<`` or ``≈`` (cannot be told apart) for ``a - b`` from its paired interval."""
+    return ">" if low > 0 else "<" if high < 0 else "≈"
 
 
 def _resampled_means(a: np.ndarray, b: np.ndarray, n_boot: int, seed: int

@@ -10,6 +10,7 @@ import json
 import math
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,11 +26,14 @@ from hisr_core.report import (
     curve_difference,
     markdown_table,
     mean_curve,
+    order,
     ordered,
     outcome_matrix,
     paired_difference,
+    paired_runs,
     success_interval,
     success_table,
+    versus_reference,
 )
 from tasks.evaluate import OUTCOMES_FILE, read_outcomes, task_types
 from tasks.files import save_figure, write_csv, write_text
@@ -50,8 +54,10 @@ class Inputs:
     #: seed → ``pi_ref`` playing that seed's PPO draws (``flows.start_curve``).
     starts: dict[int, list[dict[str, float]]] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
-    #: policy → split → one ``{task_id: 1.0 | 0.0}`` per seed whose episodes are at hand.
-    outcomes: dict[str, dict[str, list[dict[str, float]]]] = field(default_factory=dict)
+    #: policy → split → seed → ``{task_id: 1.0 | 0.0}``, for each seed whose outcomes are at
+    #: hand; seed ``None``: one ``sft`` evaluation shared by every seed.
+    outcomes: dict[str, dict[str, dict[int | None, dict[str, float]]]] = field(
+        default_factory=dict)
 
 
 def _read_curve(path: Path) -> list[dict[str, float]]:
@@ -88,7 +94,7 @@ def gather(params: Params, data: Path) -> Inputs:
         else:
             found.missing.append(f"evaluate {name}")
         for split, won in _outcomes(data / "eval" / name).items():
-            found.outcomes.setdefault(policy, {}).setdefault(split, []).append(won)
+            found.outcomes.setdefault(policy, {}).setdefault(split, {})[seed] = won
         curve = data / "ppo" / policy / f"seed{seed}" / "curve.csv"
         if seed is not None and policy != "sft" and curve.is_file():  # sft's: start curves
             rows = _read_curve(curve)
@@ -148,7 +154,7 @@ def learning_rows(curves: dict[str, dict[int, list[dict[str, float]]]],
     header = ["variant", *(f"iterations {a}–{b}" for a, b in spans), "seeds"]
     rows = []
     for variant, diff in diffs.items():
-        cells = {first: f"{100 * m:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+        cells = {first: _interval(m, lo, hi, signed=True)
                  for first, _, m, lo, hi in block_differences(diff, block)}
         rows.append([variant, *(cells.get(a, "-") for a, _ in spans), str(diff.shape[0])])
     _plot_learning(diffs, block, figure)
@@ -245,13 +251,19 @@ def write_report(params: Params, data: Path, out: Path) -> dict[str, Any]:
             summary.setdefault(policy, {})[split] = _as_dict(row["Avg"])
     write_csv(out / "table.csv", csv_rows)
     for split in params.evaluate.splits:
-        header, rows = comparison_rows(found.outcomes, split)
+        header, rows, diffs = comparison_rows(found.outcomes, split)
         if rows:
             title = f"Paired comparisons, {split}"
             note = ("Avg success and differences in percentage points, with 95% bootstrap "
                     "intervals over the same tasks and seeds (seed s of one policy paired with "
                     "seed s of the other); an interval that excludes 0 tells the two apart.")
             _add_table(md, page, title, header, rows, note)
+            lines = verdict_lines(diffs, params.sweep.seeds)
+            note = (f"Each test from its interval above: {len(lines)} intervals at 95% with no "
+                    "correction for multiplicity, so one may exclude 0 by chance.")
+            md += [note, "", *lines, ""]
+            page.append(f"<p>{html.escape(note)}</p><ul>" + "".join(
+                f"<li>{html.escape(line[2:].replace('`', ''))}</li>" for line in lines) + "</ul>")
     plot_curves({**({"sft": found.starts} if found.starts else {}), **found.curves},
                 out / "curves.png")
     if found.curves:
@@ -281,35 +293,91 @@ def write_report(params: Params, data: Path, out: Path) -> dict[str, Any]:
     return {"avg_success": summary, "missing": len(found.missing)}
 
 
-def comparison_rows(outcomes: dict[str, dict[str, list[dict[str, float]]]], split: str
-                    ) -> tuple[list[str], list[list[str]]]:
+#: The policies every other is compared with: ``sft`` (does RL improve on its start) and the
+#: paper's ordering ``hisr > no_both > ppo`` pair by pair.
+REFERENCES = ("sft", "no_both", "ppo")
+ORDERING = (("hisr", "no_both"), ("no_both", "ppo"), ("hisr", "ppo"))
+
+#: (policy, other) → (policy minus other, 95% interval low, high; the seeds paired).
+Differences = dict[tuple[str, str], tuple[float, float, float, list[int | None]]]
+
+
+def _interval(point: float, low: float, high: float, signed: bool = False) -> str:
+    fmt = "{:+.1f}" if signed else "{:.1f}"
+    return f"{fmt.format(100 * point)} [{fmt.format(100 * low)}, {fmt.format(100 * high)}]"
+
+
+def _seeds(seeds: Sequence[int | None]) -> str:
+    return "one run" if list(seeds) == [None] else ", ".join(map(str, seeds))
+
+
+def comparison_rows(outcomes: dict[str, dict[str, dict[int | None, dict[str, float]]]],
+                    split: str) -> tuple[list[str], list[list[str]], Differences]:
     """Per policy with episodes of ``split``: its Avg success with a 95% interval, and its
-    paired difference to ``sft``, ``no_both`` and ``ppo`` (over the tasks every run played):
-    the paper's ordering ``hisr > no_both > ppo`` pair by pair."""
+    paired difference to each of ``REFERENCES`` over the tasks every run played and the seeds
+    both have (the cell names them where they are fewer than the policy's own); also those
+    differences, for :func:`verdict_lines`."""
     runs = {p: by_split[split] for p, by_split in outcomes.items() if by_split.get(split)}
-    if not runs:
-        return [], []
-    tasks = sorted(set.intersection(*(set(r) for rs in runs.values() for r in rs)))
+    tasks = sorted(set.intersection(*(set(r) for rs in runs.values() for r in rs.values()))) \
+        if runs else []
     if not tasks:
-        return [], []
-    matrix = {p: outcome_matrix(rs, tasks) for p, rs in runs.items()}
-
-    def interval(point: float, low: float, high: float, signed: bool = False) -> str:
-        fmt = "{:+.1f}" if signed else "{:.1f}"
-        return (fmt.format(100 * point) + " [" + fmt.format(100 * low) + ", "
-                + fmt.format(100 * high) + "]")
-
-    others = ("sft", "no_both", "ppo")
-    header = ["policy", f"Avg [95% CI] ({len(tasks)} tasks)", *(f"vs {o}" for o in others),
+        return [], [], {}
+    diffs: Differences = {}
+    for policy, run in runs.items():
+        for other in REFERENCES:
+            if other in runs and other != policy:
+                a, b, seeds = paired_runs(run, runs[other], tasks)
+                if seeds:
+                    diffs[policy, other] = (*paired_difference(a, b), seeds)
+    header = ["policy", f"Avg [95% CI] ({len(tasks)} tasks)", *(f"vs {o}" for o in REFERENCES),
               "seeds"]
     rows = []
-    for policy in ordered(list(matrix)):
-        m = matrix[policy]
-        rows.append([policy, interval(*success_interval(m)),
-                     *(interval(*paired_difference(m, matrix[other]), signed=True)
-                       if other in matrix and other != policy else "–"
-                       for other in others), str(m.shape[0])])
-    return header, rows
+    for policy in ordered(list(runs)):
+        own = sorted(runs[policy], key=lambda s: -1 if s is None else s)
+        cells = []
+        for other in REFERENCES:
+            if (policy, other) not in diffs:
+                cells.append("–")
+                continue
+            *interval, seeds = diffs[policy, other]
+            fewer = len(seeds) < len(own) and None not in own
+            cells.append(_interval(*interval, signed=True)
+                         + (f" (seed{'s' if len(seeds) > 1 else ''} {_seeds(seeds)})"
+                            if fewer else ""))
+        rows.append([policy, _interval(*success_interval(outcome_matrix(
+            [runs[policy][s] for s in own], tasks))), *cells, _seeds(own)])
+    return header, rows, diffs
+
+
+def verdict_lines(diffs: Differences, seeds: Sequence[int]) -> list[str]:
+    """The study's tests in words (docs/results.md): each variant against ``sft`` (beats it,
+    not worse within the 3-point margin, or may be worse) and the ordering's pairs (differ or
+    cannot be told apart), each with its interval and the seeds it rests on; interim where a
+    test has fewer seeds than ``sweep.seeds``."""
+    def rests_on(paired: list[int | None]) -> str:
+        shown = [s for s in paired if s is not None]
+        n = len(shown)
+        interim = "; interim" if n < len(seeds) else ""
+        return f"{n} of {len(seeds)} seeds{interim}" if shown else "one run each"
+
+    words = {"beats": "beats `sft`", "not worse": "not worse than `sft` (3-point margin), "
+             "not shown better", "may be worse": "may be worse than `sft` by more than 3 points",
+             "worse": "worse than `sft` by more than 3 points"}
+    lines = []
+    for policy in ordered(sorted({p for p, _ in diffs})):
+        if (policy, "sft") in diffs:
+            point, low, high, paired = diffs[policy, "sft"]
+            lines.append(f"- `{policy}` {words[versus_reference(low, high)]}: "
+                         f"{_interval(point, low, high, signed=True)} ({rests_on(paired)})")
+    for a, b in ORDERING:
+        if (a, b) in diffs:
+            point, low, high, paired = diffs[a, b]
+            sign = order(low, high)
+            said = (f"`{a}` {sign} `{b}`" if sign != "≈"
+                    else f"`{a}` and `{b}` cannot be told apart")
+            lines.append(f"- {said}: `{a}` − `{b}` {_interval(point, low, high, signed=True)} "
+                         f"({rests_on(paired)})")
+    return lines
 
 
 def _as_dict(c: Cell) -> dict[str, float]:

@@ -171,6 +171,7 @@ def test_dvc_repro_end_to_end(repo):
         lines = (copy / "data" / "eval" / policy / "outcomes.csv").read_text().splitlines()
         assert lines[0] == "split,task_id,won,score,n_turns" and len(lines) > 2, policy
     assert "## Paired comparisons, valid_seen" in report and "| vs sft |" in report
+    assert "no correction for multiplicity" in report and "(1 of 1 seeds)" in report
 
     # Every stage a completed flow run on the Prefect server.
     runs = _flow_runs_since(env, since)
@@ -216,3 +217,4 @@ def test_dvc_repro_end_to_end(repo):
     report = (copy / "data" / "report" / "report.md").read_text()
     assert all(f"| {v} |" in report and report.split(f"| {v} |")[1].split("\n")[0]
                .rstrip().endswith("| 2 |") for v in VARIANTS), report
+    assert "(2 of 2 seeds)" in report  # the tests in words pair both seeds with sft

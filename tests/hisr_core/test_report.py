@@ -14,13 +14,16 @@ from hisr_core.report import (
     curve_difference,
     markdown_table,
     mean_curve,
+    order,
     ordered,
     outcome_matrix,
     paired_difference,
+    paired_runs,
     success_interval,
     success_table,
+    versus_reference,
 )
-from tasks.report import comparison_rows
+from tasks.report import comparison_rows, verdict_lines
 
 
 def _eval(split: str, pick: float, look: float, all_: float) -> dict:
@@ -90,22 +93,64 @@ def test_paired_seeds_and_unpaired_single_runs():
 
 
 def test_outcome_matrix_and_the_comparison_table():
-    sft = [{"t1": 1.0, "t2": 0.0, "t3": 0.0, "extra": 1.0}]
-    ppo = [{"t1": 1.0, "t2": 1.0, "t3": 0.0}, {"t1": 1.0, "t2": 1.0, "t3": 1.0}]
-    assert outcome_matrix(ppo, ["t2", "t3"]).tolist() == [[1.0, 0.0], [1.0, 1.0]]
+    sft = {None: {"t1": 1.0, "t2": 0.0, "t3": 0.0, "extra": 1.0}}  # one, shared by every seed
+    ppo = {0: {"t1": 1.0, "t2": 1.0, "t3": 0.0}, 1: {"t1": 1.0, "t2": 1.0, "t3": 1.0}}
+    assert outcome_matrix(list(ppo.values()), ["t2", "t3"]).tolist() == [[1.0, 0.0], [1.0, 1.0]]
+    assert outcome_matrix([], ["t2", "t3"]).shape == (0, 2)
     with pytest.raises(ValueError, match="no outcome"):
-        outcome_matrix(ppo, ["extra"])
-    header, rows = comparison_rows({"ppo": {"valid_unseen": ppo}, "sft": {"valid_unseen": sft}},
-                                   "valid_unseen")
+        outcome_matrix(list(ppo.values()), ["extra"])
+    header, rows, diffs = comparison_rows({"ppo": {"valid_unseen": ppo},
+                                           "sft": {"valid_unseen": sft}}, "valid_unseen")
     assert header[1] == "Avg [95% CI] (3 tasks)"  # the tasks every run played
     by = {r[0]: r for r in rows}
     assert list(by) == ["sft", "ppo"]
     assert header[2:] == ["vs sft", "vs no_both", "vs ppo", "seeds"]
-    assert by["sft"][1].startswith("33.3 [") and by["sft"][2] == "–" and by["sft"][5] == "1"
+    assert by["sft"][1].startswith("33.3 [") and by["sft"][2] == "–" and by["sft"][5] == "one run"
     assert by["sft"][4].startswith("-50.0 [")  # sft minus ppo
     assert by["ppo"][1].startswith("83.3 [") and by["ppo"][2].startswith("+50.0 [")
     assert by["ppo"][3] == "–" and by["ppo"][4] == "–"  # no no_both run; not against itself
-    assert comparison_rows({"ppo": {"valid_seen": ppo}}, "valid_unseen") == ([], [])
+    assert by["ppo"][5] == "0, 1" and diffs["ppo", "sft"][3] == [0, 1]
+    assert comparison_rows({"ppo": {"valid_seen": ppo}}, "valid_unseen") == ([], [], {})
+
+
+def test_runs_pair_by_seed_not_by_position():
+    tasks = ["t1", "t2", "t3", "t4"]
+    ppo = {0: dict.fromkeys(tasks, 0.0), 1: {"t1": 1.0, "t2": 0.0, "t3": 1.0, "t4": 0.0}}
+    hisr = {1: dict(ppo[1]), 2: dict.fromkeys(tasks, 1.0)}
+    a, b, seeds = paired_runs(hisr, ppo, tasks)
+    assert seeds == [1] and (a == b).all()   # only seed 1 is in both
+    # hisr's seed 1 is ppo's seed 1: no difference at all, whatever seeds 0 and 2 did. Pairing
+    # rows by position (seed 1 with seed 0, seed 2 with seed 1) would say +75 points.
+    _, _, diffs = comparison_rows({"ppo": {"s": ppo}, "hisr": {"s": hisr}}, "s")
+    assert diffs["hisr", "ppo"] == (0.0, 0.0, 0.0, [1])
+    _, rows, _ = comparison_rows({"ppo": {"s": ppo}, "hisr": {"s": hisr}}, "s")
+    assert rows[1][0] == "hisr" and rows[1][4] == "+0.0 [+0.0, +0.0] (seed 1)"
+    shared = {None: dict.fromkeys(tasks, 0.0)}
+    a, b, seeds = paired_runs(shared, hisr, tasks)
+    assert seeds == [1, 2] and a.shape == b.shape == (2, 4) and (a == 0).all()
+    assert paired_runs(shared, shared, tasks)[2] == [None]
+    a, b, seeds = paired_runs({0: ppo[0]}, {2: hisr[2]}, tasks)
+    assert seeds == [] and a.shape == (0, 4)
+
+
+def test_verdicts_against_sft_and_the_ordering():
+    assert versus_reference(0.01, 0.09) == "beats"
+    assert versus_reference(-0.02, 0.05) == "not worse"
+    assert versus_reference(-0.05, 0.02) == "may be worse"
+    assert versus_reference(-0.09, -0.04) == "worse"
+    assert (order(0.001, 0.1), order(-0.1, -0.001), order(-0.01, 0.01)) == (">", "<", "≈")
+    diffs = {("hisr", "sft"): (0.10, 0.05, 0.15, [0, 1, 2]),
+             ("ppo", "sft"): (0.02, -0.01, 0.05, [0, 1, 2]),
+             ("hisr", "no_both"): (0.04, -0.002, 0.09, [1]),
+             ("hisr", "ppo"): (0.08, 0.03, 0.13, [0, 1, 2]),
+             ("no_both", "hisr"): (-0.04, -0.09, 0.002, [1])}
+    assert verdict_lines(diffs, [0, 1, 2]) == [
+        ("- `ppo` not worse than `sft` (3-point margin), not shown better: +2.0 [-1.0, +5.0] "
+        "(3 of 3 seeds)"),
+        "- `hisr` beats `sft`: +10.0 [+5.0, +15.0] (3 of 3 seeds)",
+        ("- `hisr` and `no_both` cannot be told apart: `hisr` − `no_both` +4.0 [-0.2, +9.0] "
+        "(1 of 3 seeds; interim)"),
+        "- `hisr` > `ppo`: `hisr` − `ppo` +8.0 [+3.0, +13.0] (3 of 3 seeds)"]
 
 
 def test_curve_difference_pairs_iterations_by_seed():

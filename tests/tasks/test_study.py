@@ -12,7 +12,7 @@ import pytest
 from hisr_core import contracts
 from hisr_core.config import load_params, parse_params
 from tasks.evaluate import OUTCOMES_FILE, read_outcomes, write_outcomes
-from tasks.report import gather
+from tasks.report import comparison_rows, gather
 from tasks.study import (
     fit,
     own_pieces,
@@ -182,8 +182,11 @@ def test_report_pairs_each_seed_with_its_own_sft_from_committed_files(tmp_path):
     (tmp_path / "ppo/sft/seed0").mkdir(parents=True)  # a start curve, not a policy's curve
     (tmp_path / "ppo/sft/seed0/curve.csv").write_text("iteration,rollout_success\n1,0.5\n")
     found = gather(params, tmp_path)
-    assert found.outcomes["sft"]["valid_unseen"] == [{"t1": 1.0, "t2": 0.0},
-                                                     {"t1": 0.0, "t2": 0.0}]
-    assert found.outcomes["ppo"]["valid_unseen"] == [{"t1": 1.0, "t2": 1.0}]
+    assert found.outcomes["sft"]["valid_unseen"] == {0: {"t1": 1.0, "t2": 0.0},
+                                                     1: {"t1": 0.0, "t2": 0.0}}
+    assert found.outcomes["ppo"]["valid_unseen"] == {0: {"t1": 1.0, "t2": 1.0}}
     assert "sft" not in found.curves and found.starts[0][0]["rollout_success"] == 0.5
     assert found.missing == ["evaluate ppo/seed1"]
+    # ppo seed 0 against sft seed 0 only (50 points); against both sft seeds it would be 75.
+    _, _, diffs = comparison_rows(found.outcomes, "valid_unseen")
+    assert diffs["ppo", "sft"][0] == pytest.approx(0.5) and diffs["ppo", "sft"][3] == [0]
